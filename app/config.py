@@ -1,0 +1,62 @@
+"""ServeArgs: the one settings model behind `shardserve serve`, configs/serve.yaml and the RayService."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.config import EngineConfig
+
+
+class ServeArgs(BaseModel):
+    """Flat, vLLM-named settings for one served model (CLI flags use dashes: --max-num-seqs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # model and engine
+    model: str | None = None  # local HF directory; None = the built-in demo model
+    served_model_name: str | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    block_size: int = Field(16, ge=1)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_gb: float | None = Field(None, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enable_prefix_caching: bool = False
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space: float = Field(4.0, ge=0)
+    seed: int = 0
+    kernel_backend: Literal["auto", "torch", "triton"] = "auto"
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: str | None = None
+    max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # replicas and autoscaling
+    num_replicas: int | None = Field(None, ge=1)
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_queue_depth: float = Field(8.0, gt=0)
+    upscale_delay_s: float = Field(2.0, ge=0)
+    downscale_delay_s: float = Field(10.0, ge=0)
+    max_ongoing_requests: int | None = Field(None, ge=1)
+    max_waiting_requests: int = Field(256, ge=0)
+    cpus_per_rank: float = Field(1.0, gt=0)
+    # observability
+    otlp_traces_endpoint: str | None = None
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> ServeArgs:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
+        return self
+
+    def engine_config(self, model_dir: str) -> EngineConfig:
+        """The EngineConfig each replica starts with."""
+        fields = set(EngineConfig.model_fields) - {"model"}
+        return EngineConfig(model=model_dir, **{k: v for k, v in self.model_dump().items() if k in fields})
