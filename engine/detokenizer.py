@@ -1,0 +1,63 @@
+"""Incremental detokenization and stop strings.
+
+Each new token is decoded inside a short window of the tokens before it (as vLLM does), so
+the cost per token stays constant and characters whose UTF-8 bytes span several tokens are
+emitted only once they are complete. A stop string ends the sequence and is not emitted; while
+streaming, the last few characters are held back in case they begin a stop string.
+"""
+
+from __future__ import annotations
+
+from engine.sequence import Sequence
+
+_INCOMPLETE = "\ufffd"  # what a partial UTF-8 sequence decodes to
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def append_token(self, seq: Sequence) -> str | None:
+        """Extend `seq.text` with its newest token; returns the stop string it now contains, if any."""
+        skip = seq.sampling_params.skip_special_tokens
+        window = seq.token_ids[seq.prefix_offset :]
+        prefix_text = self.decode(seq.token_ids[seq.prefix_offset : seq.read_offset], skip)
+        full_text = self.decode(window, skip)
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_INCOMPLETE):
+            return None  # wait for the rest of a multi-byte character (or a token with no text)
+        new_text = full_text[len(prefix_text) :]
+        seq.prefix_offset = seq.read_offset
+        seq.read_offset = seq.num_tokens
+        start = len(seq.text)
+        seq.text += new_text
+        return self._find_stop(seq, start)
+
+    @staticmethod
+    def _find_stop(seq: Sequence, new_text_start: int) -> str | None:
+        stops = seq.sampling_params.stop
+        if not stops:
+            return None
+        best = None
+        for stop in stops:
+            # a stop string may begin in earlier text and end in the new piece
+            idx = seq.text.find(stop, max(0, new_text_start - len(stop) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        seq.text = seq.text[: best[0]]
+        return best[1]
+
+    @staticmethod
+    def take_new_text(seq: Sequence) -> str:
+        """Text not yet emitted, holding back a possible stop-string prefix unless finished."""
+        end = len(seq.text)
+        stops = seq.sampling_params.stop
+        if stops and not seq.is_finished:
+            end = max(seq.num_emitted_chars, end - (max(len(s) for s in stops) - 1))
+        new = seq.text[seq.num_emitted_chars : end]
+        seq.num_emitted_chars = end
+        return new

@@ -1,0 +1,164 @@
+"""Turns a scheduled step into flat batch tensors and runs one forward pass on this rank's shard.
+
+`prepare()` runs on rank 0 only and yields a `StepInput` (the one message broadcast to the
+other ranks under tensor parallelism); `execute_model()` runs on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig, ModelConfig
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+from kernels.backend import get_backend
+from parallel.state import ParallelContext
+
+_CPU_DEFAULT_KV_GB = 2.0
+
+
+@dataclass
+class StepInput:
+    """Everything a rank needs for one forward pass (CPU tensors; moved to the device in execute)."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [num_sampled] int64: rows of the batch whose logits are needed
+
+    def to(self, device: torch.device) -> StepInput:
+        if device.type == "cpu":
+            return self
+        meta = AttentionMetadata(
+            **{
+                name: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+                for name, value in vars(self.meta).items()
+            }
+        )
+        return StepInput(
+            self.input_ids.to(device, non_blocking=True),
+            self.positions.to(device, non_blocking=True),
+            meta,
+            self.sample_indices.to(device, non_blocking=True),
+        )
+
+
+def _chunk_arrays(chunks: list[ScheduledChunk], block_size: int):
+    """Token ids, positions, slots, padded block tables and context lengths for some chunks."""
+    if not chunks:
+        empty = np.zeros(0, dtype=np.int64)
+        return [], empty, empty, np.zeros((0, 1), dtype=np.int32), np.zeros(0, dtype=np.int32)
+    token_ids: list[int] = []
+    positions, slots = [], []
+    max_blocks = max(len(c.seq.block_table) for c in chunks)
+    block_tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)  # [seqs, max_blocks]
+    context_lens = np.empty(len(chunks), dtype=np.int32)
+    for row, chunk in enumerate(chunks):
+        seq, start = chunk.seq, chunk.seq.num_computed_tokens
+        end = start + chunk.num_tokens
+        token_ids.extend(seq.token_ids[start:end])
+        table = np.asarray(seq.block_table, dtype=np.int64)
+        block_tables[row, : len(table)] = table
+        pos = np.arange(start, end, dtype=np.int64)
+        positions.append(pos)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        context_lens[row] = end
+    return token_ids, np.concatenate(positions), np.concatenate(slots), block_tables, context_lens
+
+
+def prepare_step(sched: SchedulerOutput, block_size: int) -> StepInput:
+    """Flatten a scheduled step: decodes first, then prefill chunks, into one token batch."""
+    d_ids, d_pos, d_slots, d_tables, d_lens = _chunk_arrays(sched.decodes, block_size)
+    p_ids, p_pos, p_slots, p_tables, p_lens = _chunk_arrays(sched.prefills, block_size)
+    query_lens = np.array([c.num_tokens for c in sched.prefills], dtype=np.int32)
+    query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_decode = len(sched.decodes)
+    # the last token of every chunk that completes its sequence is sampled
+    sample_indices = [row for row, c in enumerate(sched.decodes) if c.completes_sequence]
+    sample_indices += [
+        num_decode + int(query_start_loc[row + 1]) - 1
+        for row, c in enumerate(sched.prefills)
+        if c.completes_sequence
+    ]
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(np.concatenate([d_slots, p_slots])),
+        num_decode_tokens=num_decode,
+        decode_block_tables=torch.from_numpy(d_tables),
+        decode_context_lens=torch.from_numpy(d_lens),
+        num_prefill_tokens=int(query_start_loc[-1]),
+        prefill_block_tables=torch.from_numpy(p_tables),
+        prefill_query_start_loc=torch.from_numpy(query_start_loc),
+        prefill_context_lens=torch.from_numpy(p_lens),
+    )
+    return StepInput(
+        input_ids=torch.tensor(d_ids + p_ids, dtype=torch.int64),
+        positions=torch.from_numpy(np.concatenate([d_pos, p_pos])),
+        meta=meta,
+        sample_indices=torch.tensor(sample_indices, dtype=torch.int64),
+    )
+
+
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype, kv_heads_per_rank: int) -> int:
+    """K and V of one block across all layers, on one rank."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    return 2 * model_config.num_hidden_layers * block_size * kv_heads_per_rank * model_config.head_dim * element
+
+
+class ModelRunner:
+    """Holds this rank's weights and KV cache; runs forward passes."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        parallel: ParallelContext | None = None,
+        num_blocks: int | None = None,
+        max_model_len: int | None = None,
+    ):
+        from engine.loader import load_model  # heavy: transformers-free but touches safetensors
+
+        self.config = config
+        self.model_config = model_config
+        self.parallel = parallel or ParallelContext()
+        self.device = config.resolved_device()
+        self.dtype = config.torch_dtype(model_config)
+        self.backend = get_backend(config.kernel_backend, self.device.type)
+        self.model = load_model(
+            config.model, model_config, self.dtype, self.device, self.parallel, self.backend
+        )
+        self.num_blocks = num_blocks or self.profile_num_blocks(max_model_len or model_config.max_position_embeddings)
+        shape = (2, self.model.kv_heads_per_rank, self.num_blocks, config.block_size, model_config.head_dim)
+        # zeroed: padding positions of gathered blocks must hold finite values (0 * NaN = NaN)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_config.num_hidden_layers)
+        ]
+
+    def profile_num_blocks(self, max_model_len: int) -> int:
+        """How many KV blocks this rank can hold under the configured memory budget."""
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype, self.model.kv_heads_per_rank)
+        if config.kv_cache_memory_gb is not None:
+            return max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = total * config.gpu_memory_utilization - used - 2**30  # activations headroom
+            return max(1, int(budget) // per_block)
+        # CPU: a fixed budget, no more than every sequence at full length would need
+        full = config.max_num_seqs * -(-max_model_len // config.block_size)
+        return max(1, min(int(_CPU_DEFAULT_KV_GB * 2**30) // per_block, full))
+
+    @torch.inference_mode()
+    def execute_model(self, step: StepInput) -> torch.Tensor | None:
+        """One forward pass; returns [num_sampled, vocab] float32 logits, or None if nothing is sampled."""
+        step = step.to(self.device)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        if step.sample_indices.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, step.sample_indices))
