@@ -1,0 +1,32 @@
+# shardserve: `make run` serves the demo model on http://127.0.0.1:8000, `make test` runs the tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# Ray binds every port to 127.0.0.1 only when this is set before it starts.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+
+.PHONY: install run test bench lint lint-ops
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/shardserve serve --host 127.0.0.1 --port 8000
+
+test: install
+	$(PY) -m pytest -q -ra --durations=15
+
+bench: install
+	$(PY) -m scripts.bench_engine
+	bash scripts/run_bench.sh
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+lint-ops: install
+	bash ops/lint-ops.sh
