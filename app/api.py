@@ -1,0 +1,174 @@
+"""FastAPI routes of the OpenAI-compatible API, with OpenAI's error shape for every failure a client can cause."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+from importlib import metadata
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from app.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from app.serving import ModelNotFoundError, OpenAIServing
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+
+logger = logging.getLogger("shardserve.api")
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+RETRY_AFTER_S = 1  # a replica's waiting queue drains in about a second at tested loads
+
+
+class BodyTooLargeError(Exception):
+    """The request body is over `max_request_body_bytes`: maps to HTTP 413."""
+
+
+class AuthenticationError(Exception):
+    """Missing or wrong `Authorization: Bearer` key: maps to HTTP 401."""
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("shardserve")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+async def read_json_body(request: Request, limit: int) -> object:
+    """The parsed JSON body; 413 past `limit` bytes (checked while reading), 400 if it is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLargeError(f"The request body is {declared} bytes; the limit is {limit} bytes.")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise BodyTooLargeError(f"The request body is over the limit of {limit} bytes.")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequestError(f"We could not parse the JSON body of your request: {e}", param=None) from None
+
+
+def parse_request(model: type[RequestModel], body: object) -> RequestModel:
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise InvalidRequestError(f"{loc}: {first['msg']} (got {first.get('input')!r})"[:500],
+                                  param=str(first["loc"][0]) if first["loc"] else None) from None
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, e: InvalidRequestError):
+        return error_response(400, e.message, "invalid_request_error", param=e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError):
+        return error_response(400, str(e.errors()[:1]), "invalid_request_error")
+
+    @app.exception_handler(ModelNotFoundError)
+    async def _not_found(_: Request, e: ModelNotFoundError):
+        return error_response(404, str(e), "NotFoundError", param="model", code="model_not_found")
+
+    @app.exception_handler(AuthenticationError)
+    async def _unauthorized(_: Request, e: AuthenticationError):
+        return error_response(401, str(e), "invalid_request_error", code="invalid_api_key")
+
+    @app.exception_handler(BodyTooLargeError)
+    async def _too_large(_: Request, e: BodyTooLargeError):
+        return error_response(413, str(e), "invalid_request_error", code="request_too_large")
+
+    @app.exception_handler(EngineOverloadedError)
+    async def _overloaded(_: Request, e: EngineOverloadedError):
+        return error_response(429, str(e), "rate_limit_error", code="server_overloaded",
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, e: EngineDeadError):
+        return error_response(503, f"The engine has stopped: {e}", "service_unavailable_error",
+                              code="engine_dead")
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):
+        logger.exception("unhandled error")
+        return error_response(500, f"Internal server error: {type(e).__name__}", "InternalServerError")
+
+
+def build_api(serving: OpenAIServing, api_key: str | None = None,
+              max_request_body_bytes: int = 4 * 1024 * 1024) -> FastAPI:
+    """The HTTP app of one replica: OpenAI routes over `serving`, plus /health, /version and engine stats."""
+    app = FastAPI(title="shardserve", version=_version(), docs_url=None, redoc_url=None)
+    _install_error_handlers(app)
+    engine = serving.engine
+
+    async def require_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), api_key.encode()):
+            raise AuthenticationError("Incorrect API key provided: send `Authorization: Bearer <key>`.")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine loop is not running"}, status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
+
+    @v1.get("/models")
+    async def models() -> Response:
+        return Response(serving.models().model_dump_json(), media_type="application/json")
+
+    @v1.get("/engine/stats")
+    async def engine_stats() -> dict:
+        return engine_stats_dict(engine)
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_request(CompletionRequest, await read_json_body(request, max_request_body_bytes))
+        return _respond(await serving.create_completion(body))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse_request(ChatCompletionRequest, await read_json_body(request, max_request_body_bytes))
+        return _respond(await serving.create_chat_completion(body))
+
+    app.include_router(v1)
+    return app
+
+
+def engine_stats_dict(engine) -> dict:
+    stats = engine.stats()
+    if dataclasses.is_dataclass(stats):
+        return dataclasses.asdict(stats)
+    if isinstance(stats, BaseModel):
+        return stats.model_dump()
+    return dict(vars(stats))
+
+
+def _respond(result) -> Response:
+    if isinstance(result, BaseModel):
+        return Response(result.model_dump_json(), media_type="application/json")
+    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,135 @@
+"""The Ray Serve deployment: one AsyncLLMEngine per replica, the OpenAI API as its HTTP ingress.
+
+Each replica asks for a placement group of tensor_parallel_size bundles (bundle 0 holds the replica, which is
+rank 0; bundles 1..tp-1 hold the TP worker actors) packed on one node. `build_app(args)` is the application
+for both the CLI and `serve run configs/serve.yaml`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from app.api import build_api, engine_stats_dict
+from app.autoscaling import QUEUE_DEPTH_METRIC, autoscaling_config
+from app.config import ServeArgs
+from app.serving import OpenAIServing
+
+logger = logging.getLogger("shardserve.deployment")
+
+DEMO_MODEL_NAME = "shardserve-demo"
+RETRY_AFTER_S = 1.0
+
+
+def served_model_name(args: ServeArgs) -> str:
+    return args.served_model_name or args.model or DEMO_MODEL_NAME
+
+
+def _use_gpu(args: ServeArgs) -> bool:
+    if args.device != "auto":
+        return args.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def placement_group_bundles(args: ServeArgs) -> list[dict[str, float]]:
+    """One bundle per TP rank: {"GPU": 1} each on GPU (plus the rank's CPUs), {"CPU": cpus_per_rank} on CPU."""
+    bundle: dict[str, float] = {"CPU": args.cpus_per_rank}
+    if _use_gpu(args):
+        bundle["GPU"] = 1
+    return [dict(bundle) for _ in range(args.tensor_parallel_size)]
+
+
+def max_ongoing_requests(args: ServeArgs) -> int:
+    """Requests one replica accepts at once: its batch (max_num_seqs) plus a small waiting allowance.
+
+    Serve's default (5) would cap the engine's batch at 5; far above the batch, the router pins every queued
+    request to the first replica before a second one exists, and autoscaling then has nothing to move.
+    """
+    if args.max_ongoing_requests is not None:
+        return args.max_ongoing_requests
+    return args.max_num_seqs + max(2, args.max_num_seqs // 8)
+
+
+def deployment_options(args: ServeArgs) -> dict[str, Any]:
+    """Ray Serve deployment options derived from the settings (replicas, placement, concurrency)."""
+    options: dict[str, Any] = {
+        "name": "LLMServer",
+        "max_ongoing_requests": max_ongoing_requests(args),
+        # The router's queue is bounded too; past it, Serve answers 429 with Retry-After.
+        "max_queued_requests": max(1, args.max_waiting_requests),
+        "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},
+        "ray_actor_options": {"num_cpus": args.cpus_per_rank, **({"num_gpus": 1} if _use_gpu(args) else {})},
+        "placement_group_bundles": placement_group_bundles(args),
+        "placement_group_strategy": "STRICT_PACK",
+        "health_check_period_s": 5.0,
+    }
+    if args.num_replicas is not None:
+        options["num_replicas"] = args.num_replicas
+    else:
+        options["autoscaling_config"] = autoscaling_config(
+            args.min_replicas, args.max_replicas, args.target_queue_depth, args.upscale_delay_s,
+            args.downscale_delay_s)
+    return options
+
+
+@serve.deployment
+@serve.ingress()
+class LLMServer:
+    """One engine replica. HTTP goes through the FastAPI app; handles can call the methods below."""
+
+    def __init__(self, args: dict[str, Any]):
+        from engine import AsyncLLMEngine  # imported here: loading torch is the replica's business
+
+        _configure_logging()
+        self.args = ServeArgs.model_validate(args)
+        model_dir = self.args.model
+        if model_dir is None:
+            from engine.demo_model import ensure_demo_model
+
+            model_dir = str(ensure_demo_model())
+        self.engine = AsyncLLMEngine(self.args.engine_config(model_dir))
+        self.serving = OpenAIServing(self.engine, served_model_name(self.args), self.args.max_waiting_requests)
+        logger.info("replica ready: model %s served as %r", model_dir, self.serving.served_model_name)
+
+    def __serve_build_asgi_app__(self):
+        return build_api(self.serving, api_key=self.args.api_key,
+                         max_request_body_bytes=self.args.max_request_body_bytes)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Queue depth for app/autoscaling.py: sequences waiting plus running in this replica's engine."""
+        stats = self.engine.stats()
+        return {QUEUE_DEPTH_METRIC: float(stats.num_waiting + stats.num_running)}
+
+    def engine_stats(self) -> dict[str, Any]:
+        """This replica's EngineStats as a dict (for observability and tests)."""
+        return engine_stats_dict(self.engine)
+
+    def check_health(self) -> None:
+        if not self.engine.is_running:
+            raise RuntimeError("the engine loop is not running")
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+def build_app(args: ServeArgs) -> Application:
+    """The Serve application for these settings (`serve run app.deployment:build_app` passes a dict)."""
+    if not isinstance(args, ServeArgs):
+        args = ServeArgs.model_validate(args)
+    return LLMServer.options(**deployment_options(args)).bind(args.model_dump())
+
+
+def _configure_logging() -> None:
+    log = logging.getLogger("shardserve")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)

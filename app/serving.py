@@ -1,0 +1,417 @@
+"""OpenAI completions and chat completions on top of one AsyncLLMEngine: prompts in, choices and SSE chunks out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from app.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TopLogprob,
+    UsageInfo,
+)
+from engine.config import SamplingParams
+from engine.errors import EngineOverloadedError, InvalidRequestError
+
+logger = logging.getLogger("shardserve.api")
+
+
+class ModelNotFoundError(Exception):
+    """The request names a model this server does not serve: maps to HTTP 404."""
+
+
+@dataclass
+class Prompt:
+    text: str | None  # None when the client sent token ids
+    token_ids: list[int]
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far (accumulated for non-streaming responses)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    text_offset: int = 0  # where the next token's text starts in the choice's full text
+    started: bool = False
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+class OpenAIServing:
+    """Turns OpenAI request bodies into engine requests and engine deltas into OpenAI response bodies."""
+
+    def __init__(self, engine: Any, served_model_name: str, max_waiting_requests: int):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.served_model_name = served_model_name
+        self.max_waiting_requests = max_waiting_requests
+        self._token_text: dict[int, str] = {}
+
+    # -- checks shared by both endpoints ------------------------------------------------------------
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.served_model_name, max_model_len=self.engine.max_model_len)])
+
+    def check_model(self, name: str) -> None:
+        if name != self.served_model_name:
+            raise ModelNotFoundError(f"The model `{name}` does not exist (this server serves `{self.served_model_name}`).")
+
+    def check_capacity(self) -> None:
+        waiting = self.engine.stats().num_waiting
+        if waiting >= self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"The server is overloaded: {waiting} requests are waiting (limit {self.max_waiting_requests}). "
+                "Retry later."
+            )
+
+    def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                         logprobs: int | None) -> SamplingParams:
+        fields = {
+            "n": req.n,
+            "max_tokens": max_tokens,
+            "min_tokens": req.min_tokens,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "top_k": -1 if req.top_k is None or req.top_k == 0 else req.top_k,
+            "min_p": req.min_p or 0.0,
+            "seed": req.seed,
+            "stop": req.stop,
+            "stop_token_ids": req.stop_token_ids or [],
+            "ignore_eos": req.ignore_eos,
+            "presence_penalty": req.presence_penalty or 0.0,
+            "frequency_penalty": req.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            "logprobs": logprobs,
+            "skip_special_tokens": req.skip_special_tokens,
+        }
+        try:
+            return SamplingParams(**fields)
+        except InvalidRequestError as e:
+            param = e.param or next((name for name in fields if e.message.startswith(name + " ")), None)
+            raise InvalidRequestError(e.message, param=param) from None
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise InvalidRequestError(first["msg"], param=".".join(str(p) for p in first["loc"])) from None
+
+    def _check_length(self, prompt: Prompt, max_tokens: int | None, param: str) -> int:
+        """The max_tokens to ask for: the client's, or what is left of the context."""
+        limit = self.engine.max_model_len
+        num_prompt = len(prompt.token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("The prompt is empty: send at least one token.", param=param)
+        if max_tokens is None:
+            if num_prompt >= limit:
+                raise InvalidRequestError(
+                    f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                    f"{num_prompt} tokens. Please shorten the prompt.", param=param)
+            return limit - num_prompt
+        if max_tokens >= 1 and num_prompt + max_tokens > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the prompt or max_tokens.", param="max_tokens")
+        return max_tokens
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    # -- generation ---------------------------------------------------------------------------------
+
+    async def _generate(self, request_id: str, prompts: Sequence[Prompt],
+                        params: Sequence[SamplingParams]) -> AsyncIterator[tuple[int, Any]]:
+        """Yield (prompt index, delta) from one engine request per prompt; the first item comes before any
+        engine error is hidden, and leaving early aborts every unfinished request."""
+        self.check_capacity()
+        streams = [
+            self.engine.generate(p.token_ids, sp, request_id=f"{request_id}-{i}", prompt=p.text)
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+        if len(streams) == 1:
+            async with aclosing(streams[0]) as stream:
+                async for delta in stream:
+                    yield 0, delta
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        finished = object()
+
+        async def pump(index: int, stream: AsyncIterator) -> None:
+            try:
+                async for delta in stream:
+                    queue.put_nowait((index, delta))
+                queue.put_nowait((index, finished))
+            except BaseException as e:  # noqa: B036 - handed to the consumer, which re-raises
+                queue.put_nowait((index, e))
+            finally:
+                await stream.aclose()
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is finished:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _start(self, request_id: str, prompts: Sequence[Prompt], params: Sequence[SamplingParams]):
+        """Start generating and wait for the first delta, so request errors surface before any response."""
+        deltas = self._generate(request_id, prompts, params)
+        try:
+            first = await deltas.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await deltas.aclose()
+            raise
+        return first, deltas
+
+    @staticmethod
+    async def _chain(first, deltas) -> AsyncIterator[tuple[int, Any]]:
+        if first is None:
+            return
+        try:
+            yield first
+            async for item in deltas:
+                yield item
+        finally:
+            await deltas.aclose()
+
+    # -- /v1/completions ----------------------------------------------------------------------------
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[Prompt]:
+        raw = req.prompt
+        if isinstance(raw, str):
+            items: list = [raw]
+        elif raw and all(isinstance(t, int) for t in raw):
+            items = [raw]
+        else:
+            items = list(raw)
+        if not items:
+            raise InvalidRequestError("The prompt is empty: send at least one prompt.", param="prompt")
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                prompts.append(Prompt(item, self.tokenizer.encode(item)))
+            else:
+                vocab = self.engine.model_config.vocab_size
+                if any(t < 0 or t >= vocab for t in item):
+                    raise InvalidRequestError(f"Token ids must be in [0, {vocab}).", param="prompt")
+                prompts.append(Prompt(None, list(item)))
+        return prompts
+
+    def _completion_logprobs(self, state: ChoiceState, token_ids: list[int],
+                             logprobs: list[dict[int, float]], num_top: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for token_id, candidates in zip(token_ids, logprobs, strict=True):
+            text = self.token_text(token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(candidates.get(token_id))
+            ranked = sorted(candidates.items(), key=lambda kv: -kv[1])[: max(num_top, 1)]
+            out.top_logprobs.append({self.token_text(t): lp for t, lp in ranked} if num_top else None)
+            out.text_offset.append(state.text_offset)
+            state.text_offset += len(text)
+        return out
+
+    async def create_completion(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        if req.echo and req.logprobs is not None:
+            raise InvalidRequestError("echo together with logprobs is not supported (no prompt logprobs).",
+                                      param="echo")
+        if req.suffix:
+            raise InvalidRequestError("suffix is not supported.", param="suffix")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        prompts = self._completion_prompts(req)
+        params = [self._sampling_params(req, self._check_length(p, req.max_tokens, "prompt"), req.logprobs)
+                  for p in prompts]
+        logger.info("%s: %d prompt(s), n=%d, stream=%s", request_id, len(prompts), req.n, req.stream)
+        first, deltas = await self._start(request_id, prompts, params)
+        states = [ChoiceState() for _ in range(len(prompts) * req.n)]
+        echoes = [(p.text if p.text is not None else self.tokenizer.decode(p.token_ids)) if req.echo else ""
+                  for p in prompts]
+        for state, echo in zip(states, (e for e in echoes for _ in range(req.n)), strict=True):
+            state.text_offset = len(echo)
+        if req.stream:
+            return self._completion_stream(req, request_id, prompts, states, echoes, first, deltas)
+        async for prompt_index, delta in self._chain(first, deltas):
+            for out in delta.outputs:
+                state = states[prompt_index * req.n + out.index]
+                state.text += out.text
+                state.token_ids += out.token_ids
+                state.logprobs += out.logprobs or []
+                state.finish_reason = out.finish_reason or state.finish_reason
+        choices = []
+        for i, state in enumerate(states):
+            logprobs = None
+            if req.logprobs is not None:
+                state.text_offset = len(echoes[i // req.n])
+                logprobs = self._completion_logprobs(state, state.token_ids, state.logprobs, req.logprobs)
+            choices.append(CompletionChoice(index=i, text=echoes[i // req.n] + state.text, logprobs=logprobs,
+                                            finish_reason=state.finish_reason))
+        logger.info("%s: finished", request_id)
+        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                  usage=_usage(prompts, states))
+
+    async def _completion_stream(self, req, request_id, prompts, states, echoes, first, deltas):
+        include_usage = req.include_usage_chunk
+        exclude = None if include_usage else {"usage"}
+        try:
+            async for prompt_index, delta in self._chain(first, deltas):
+                choices = []
+                for out in delta.outputs:
+                    index = prompt_index * req.n + out.index
+                    state = states[index]
+                    text = out.text if state.started else echoes[prompt_index] + out.text
+                    state.started = True
+                    state.token_ids += out.token_ids
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs = self._completion_logprobs(state, out.token_ids, out.logprobs or [],
+                                                             req.logprobs)
+                    choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                    finish_reason=out.finish_reason))
+                if choices:
+                    chunk = CompletionResponse(id=request_id, model=self.served_model_name, choices=choices)
+                    yield sse(chunk.model_dump_json(exclude=exclude))
+            if include_usage:
+                chunk = CompletionResponse(id=request_id, model=self.served_model_name, choices=[],
+                                           usage=_usage(prompts, states))
+                yield sse(chunk.model_dump_json())
+            logger.info("%s: finished", request_id)
+        except Exception as e:  # the response has started: report in-band, as OpenAI does
+            logger.exception("%s: failed mid-stream", request_id)
+            yield sse(ErrorResponse(error=ErrorInfo(message=str(e), type="InternalServerError")).model_dump_json())
+        yield SSE_DONE
+
+    # -- /v1/chat/completions -----------------------------------------------------------------------
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # jinja errors: the template rejected these messages
+            raise InvalidRequestError(f"The chat template cannot render these messages: {e}",
+                                      param="messages") from None
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return Prompt(None, list(ids))
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]],
+                       num_top: int) -> ChatChoiceLogprobs:
+        content = []
+        for token_id, candidates in zip(token_ids, logprobs, strict=True):
+            ranked = sorted(candidates.items(), key=lambda kv: -kv[1])[:num_top]
+            content.append(ChatTokenLogprob(
+                **_top_logprob(self.token_text(token_id), candidates.get(token_id, float("-inf"))),
+                top_logprobs=[TopLogprob(**_top_logprob(self.token_text(t), lp)) for t, lp in ranked],
+            ))
+        return ChatChoiceLogprobs(content=content)
+
+    async def create_chat_completion(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        if req.top_logprobs and not req.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs set to true.", param="top_logprobs")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt = self._chat_prompt(req)
+        max_tokens = self._check_length(prompt, req.max_completion_tokens or req.max_tokens, "messages")
+        num_top = req.top_logprobs or 0
+        params = self._sampling_params(req, max_tokens, num_top if req.logprobs else None)
+        logger.info("%s: %d message(s), n=%d, stream=%s", request_id, len(req.messages), req.n, req.stream)
+        first, deltas = await self._start(request_id, [prompt], [params])
+        states = [ChoiceState() for _ in range(req.n)]
+        if req.stream:
+            return self._chat_stream(req, request_id, prompt, states, num_top, first, deltas)
+        async for _, delta in self._chain(first, deltas):
+            for out in delta.outputs:
+                state = states[out.index]
+                state.text += out.text
+                state.token_ids += out.token_ids
+                state.logprobs += out.logprobs or []
+                state.finish_reason = out.finish_reason or state.finish_reason
+        choices = [
+            ChatChoice(index=i, message=AssistantMessage(content=state.text), finish_reason=state.finish_reason,
+                       logprobs=self._chat_logprobs(state.token_ids, state.logprobs, num_top) if req.logprobs else None)
+            for i, state in enumerate(states)
+        ]
+        logger.info("%s: finished", request_id)
+        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                      usage=_usage([prompt], states))
+
+    async def _chat_stream(self, req, request_id, prompt, states, num_top, first, deltas):
+        include_usage = req.include_usage_chunk
+        exclude = None if include_usage else {"usage"}
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            body = ChatCompletionChunk(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
+            return sse(body.model_dump_json(exclude=exclude))
+
+        try:
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                         for i in range(req.n)])
+            async for _, delta in self._chain(first, deltas):
+                choices = []
+                for out in delta.outputs:
+                    states[out.index].token_ids += out.token_ids
+                    logprobs = self._chat_logprobs(out.token_ids, out.logprobs or [], num_top) if req.logprobs else None
+                    choices.append(ChatStreamChoice(index=out.index, delta=DeltaMessage(content=out.text),
+                                                    logprobs=logprobs, finish_reason=out.finish_reason))
+                if choices:
+                    yield chunk(choices)
+            if include_usage:
+                yield chunk([], usage=_usage([prompt], states))
+            logger.info("%s: finished", request_id)
+        except Exception as e:  # the response has started: report in-band, as OpenAI does
+            logger.exception("%s: failed mid-stream", request_id)
+            yield sse(ErrorResponse(error=ErrorInfo(message=str(e), type="InternalServerError")).model_dump_json())
+        yield SSE_DONE
+
+
+def _usage(prompts: Sequence[Prompt], states: Sequence[ChoiceState]) -> UsageInfo:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    completion_tokens = sum(len(s.token_ids) for s in states)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def _top_logprob(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": max(logprob, -9999.0), "bytes": list(token.encode("utf-8"))}
