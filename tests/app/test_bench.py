@@ -1,0 +1,460 @@
+"""`shardserve bench` against an OpenAI-compatible fake on 127.0.0.1 that streams SSE exactly like OpenAI."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import random
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from app.bench import BenchArgs, main, run_bench
+from app.bench_client import poisson_arrival_offsets
+from app.bench_prompts import PromptBuilder, PromptLengthError, load_tokenizer
+
+PROMPT_TOKENS = 32
+OUTPUT_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """A small byte-level BPE tokenizer that adds BOS (like Llama's) and has a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "the quick brown fox jumps over lazy dog serving tokens paged cache batch model engine".split()
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(words) for _ in range(40)) for _ in range(200)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<unk>", "<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    path = tmp_path_factory.mktemp("bench_tokenizer")
+    fast.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return load_tokenizer(tokenizer_dir)
+
+
+class FakeOpenAIServer:
+    """/v1/models, /v1/completions and /v1/chat/completions, streamed as OpenAI does, on a free loopback port.
+
+    `api_key`: requests without it get OpenAI's 401. `refuse_every_other`: every second request gets a 503.
+    `short_by`: generate that many tokens fewer than max_tokens (a server that ignores ignore_eos).
+    """
+
+    def __init__(self, tokenizer, tokenizer_dir, api_key=None, refuse_every_other=False, short_by=0):
+        self.tokenizer = tokenizer
+        self.api_key = api_key
+        self.refuse_every_other = refuse_every_other
+        self.short_by = short_by
+        self.num_requests = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.bodies: list[dict] = []
+        app = FastAPI()
+        app.get("/v1/models")(
+            lambda: {
+                "object": "list",
+                "data": [{"id": "fake-model", "object": "model", "owned_by": "test", "root": tokenizer_dir}],
+            }
+        )
+        app.post("/v1/completions")(self._handler("completions"))
+        app.post("/v1/chat/completions")(self._handler("chat"))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:  # readiness poll, not a timing assumption
+            assert time.monotonic() < deadline and self.thread.is_alive(), "fake server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+    def _handler(self, endpoint):
+        async def handle(request: Request):
+            self.num_requests += 1
+            if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+                return _error(401, "Incorrect API key provided.", "invalid_api_key")
+            if self.refuse_every_other and self.num_requests % 2 == 0:
+                return _error(503, "The server is overloaded; retry later.", "overloaded")
+            body = await request.json()
+            self.bodies.append(body)
+            return StreamingResponse(self._stream(endpoint, body), media_type="text/event-stream")
+
+        return handle
+
+    async def _stream(self, endpoint, body):
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if endpoint == "chat":
+                prompt_ids = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)
+                prompt_tokens = len(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
+            else:
+                prompt_tokens = len(self.tokenizer(body["prompt"])["input_ids"])
+            num_tokens = body["max_tokens"] - self.short_by
+            base = {"id": "cmpl-1", "created": 0, "model": body["model"]}
+            obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+
+            def chunk(choice_update, finish=None, usage=None, choices=True):
+                choice = {"index": 0, "finish_reason": finish, "logprobs": None, **choice_update}
+                data = {**base, "object": obj, "choices": [choice] if choices else [], "usage": usage}
+                return f"data: {json.dumps(data)}\n\n"
+
+            if endpoint == "chat":
+                yield chunk({"delta": {"role": "assistant", "content": ""}})
+            for i in range(num_tokens):
+                await asyncio.sleep(0.001)  # a decode step
+                text = f" t{i}"
+                last = i == num_tokens - 1
+                yield chunk(
+                    {"delta": {"content": text}} if endpoint == "chat" else {"text": text},
+                    finish="length" if last else None,
+                )
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": num_tokens,
+                    "total_tokens": prompt_tokens + num_tokens,
+                }
+                yield chunk({}, usage=usage, choices=False)
+            yield "data: [DONE]\n\n"
+        finally:
+            self.in_flight -= 1
+
+
+def _error(status, message, code):
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "code": code}}, status
+    )
+
+
+def _args(server, **overrides) -> BenchArgs:
+    settings = dict(
+        base_url=server.base_url,
+        prompt_tokens=PROMPT_TOKENS,
+        output_tokens=OUTPUT_TOKENS,
+        num_prompts=[6],
+        concurrency=[3],
+        progress=False,
+    )
+    return BenchArgs(**{**settings, **overrides})
+
+
+# ---- prompts --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_prompts_are_exactly_the_requested_tokens_as_the_server_counts_them(tokenizer, endpoint):
+    builder = PromptBuilder(tokenizer, 64, endpoint=endpoint, seed=3)
+    prompts = builder.build(40)
+    assert len(set(prompts)) == 40
+    for prompt in prompts:
+        if endpoint == "completions":
+            assert len(tokenizer(prompt)["input_ids"]) == 64  # BOS + 63 text tokens
+        else:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True
+            )
+            assert len(ids["input_ids"]) == 64
+
+
+def test_distinct_prompts_share_no_leading_block_unless_a_shared_prefix_is_asked_for(tokenizer):
+    distinct = PromptBuilder(tokenizer, 64, seed=0).build(20)
+    heads = [tuple(tokenizer(p)["input_ids"][1:9]) for p in distinct]
+    assert len(set(heads)) == 20
+
+    shared = PromptBuilder(tokenizer, 64, shared_prefix_tokens=24, seed=0)
+    prompts = shared.build(20)
+    assert len(tokenizer(shared.prefix, add_special_tokens=False)["input_ids"]) == 24
+    assert all(p.startswith(shared.prefix) for p in prompts)
+    assert len(set(prompts)) == 20
+    assert {len(tokenizer(p)["input_ids"]) for p in prompts} == {64}
+
+
+def test_same_seed_gives_the_same_prompts(tokenizer):
+    assert PromptBuilder(tokenizer, 48, seed=7).build(5) == PromptBuilder(tokenizer, 48, seed=7).build(5)
+    assert PromptBuilder(tokenizer, 48, seed=7).build(5) != PromptBuilder(tokenizer, 48, seed=8).build(5)
+
+
+def test_a_prompt_with_no_room_for_content_is_refused(tokenizer):
+    with pytest.raises(PromptLengthError, match="no room"):
+        PromptBuilder(tokenizer, 5, endpoint="chat")  # the template alone is longer
+    with pytest.raises(PromptLengthError, match="shared_prefix_tokens"):
+        PromptBuilder(tokenizer, 16, shared_prefix_tokens=16)
+
+
+# ---- runs against the fake server ------------------------------------------------------------------------
+
+
+async def test_token_counts_are_exact_and_checked_through_usage(tokenizer, tokenizer_dir):
+    with FakeOpenAIServer(tokenizer, tokenizer_dir) as server:
+        result = await run_bench(_args(server, num_prompts=[9], concurrency=[3]))
+    (summary,), (records,) = result.summaries, result.records
+    assert summary.model == "fake-model"  # from GET /v1/models; its `root` gave the tokenizer
+    assert (summary.successes, summary.failures, summary.usage_mismatches) == (9, 0, 0)
+    assert [(r.prompt_tokens, r.completion_tokens) for r in records] == [(PROMPT_TOKENS, OUTPUT_TOKENS)] * 9
+    assert summary.generated_tokens == 9 * OUTPUT_TOKENS
+    assert summary.total_prompt_tokens == 9 * PROMPT_TOKENS
+    assert len({b["prompt"] for b in server.bodies}) == 9
+    assert all(b["ignore_eos"] and b["max_tokens"] == OUTPUT_TOKENS and b["stream"] for b in server.bodies)
+    assert server.max_in_flight <= 3
+
+
+async def test_ttft_is_the_first_content_chunk_and_precedes_the_end_of_every_request(
+    tokenizer, tokenizer_dir
+):
+    with FakeOpenAIServer(tokenizer, tokenizer_dir) as server:
+        result = await run_bench(_args(server, endpoint="chat"))  # chat opens with a role-only chunk
+    records = result.records[0]
+    assert all(r.ok for r in records)
+    for r in records:
+        assert 0 < r.ttft_s < r.latency_s
+        assert r.ttft_s == r.chunk_times_s[0]
+        assert r.text == "".join(f" t{i}" for i in range(OUTPUT_TOKENS))
+        assert len(r.inter_token_latencies_s) == OUTPUT_TOKENS - 1
+    assert result.summaries[0].usage_mismatches == 0
+
+
+async def test_throughput_is_generated_tokens_over_the_runs_wall_time(tokenizer, tokenizer_dir):
+    with FakeOpenAIServer(tokenizer, tokenizer_dir) as server:
+        result = await run_bench(_args(server, num_prompts=[4, 8], concurrency=[1, 4], warmup=2))
+    assert len(server.bodies) == 2 + 4 + 8  # warm-up requests are sent but not measured
+    for summary, records in zip(result.summaries, result.records, strict=True):
+        assert summary.wall_s == pytest.approx(
+            max(r.end_s for r in records) - min(r.start_s for r in records)
+        )
+        assert summary.output_throughput == pytest.approx(summary.generated_tokens / summary.wall_s)
+        assert summary.total_throughput == pytest.approx(
+            (summary.generated_tokens + summary.total_prompt_tokens) / summary.wall_s
+        )
+    assert [(s.concurrency, s.num_prompts, s.generated_tokens) for s in result.summaries] == [
+        (1, 4, 4 * OUTPUT_TOKENS),
+        (4, 8, 8 * OUTPUT_TOKENS),
+    ]
+
+
+async def test_half_the_requests_refused_are_counted_and_summarised(tokenizer, tokenizer_dir):
+    with FakeOpenAIServer(tokenizer, tokenizer_dir, refuse_every_other=True) as server:
+        result = await run_bench(_args(server, num_prompts=[10], concurrency=[2]))
+    summary = result.summaries[0]
+    assert (summary.successes, summary.failures) == (5, 5)
+    assert summary.generated_tokens == 5 * OUTPUT_TOKENS
+    assert summary.errors == "5 x HTTP 503: The server is overloaded; retry later."
+
+
+def test_an_api_key_mismatch_fails_every_request_and_lands_in_the_csv(
+    tokenizer, tokenizer_dir, tmp_path, capsys
+):
+    out = tmp_path / "runs.csv"
+    with FakeOpenAIServer(tokenizer, tokenizer_dir, api_key="right") as server:
+        argv = [
+            "--base-url",
+            server.base_url,
+            "--model",
+            "fake-model",
+            "--tokenizer",
+            tokenizer_dir,
+            "--api-key",
+            "wrong",
+            "--prompt-tokens",
+            "16",
+            "--output-tokens",
+            "4",
+            "--num-prompts",
+            "5",
+            "--concurrency",
+            "5",
+            "--no-progress",
+            "--csv",
+            str(out),
+        ]
+        assert main(argv) == 1
+    with open(out, newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    assert (row["successes"], row["failures"]) == ("0", "5")
+    assert row["errors"] == "5 x HTTP 401: Incorrect API key provided."
+    assert "0/5" in capsys.readouterr().out
+
+
+async def test_a_server_that_stops_early_is_reported_as_a_usage_mismatch(tokenizer, tokenizer_dir):
+    with FakeOpenAIServer(tokenizer, tokenizer_dir, short_by=3) as server:
+        result = await run_bench(_args(server))
+    summary = result.summaries[0]
+    assert summary.successes == 6 and summary.usage_mismatches == 6
+    assert summary.errors == f"6 x usage: completion_tokens {OUTPUT_TOKENS - 3} != {OUTPUT_TOKENS}"
+
+
+async def test_a_model_with_no_local_tokenizer_asks_for_one():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: connections are refused
+        args = BenchArgs(
+            base_url=f"http://127.0.0.1:{port}",
+            model="m",
+            prompt_tokens=8,
+            output_tokens=2,
+            num_prompts=[3],
+            concurrency=[3],
+            progress=False,
+        )
+        with pytest.raises(FileNotFoundError, match="--tokenizer"):
+            await run_bench(args)  # no local tokenizer for model "m"
+
+
+async def test_connection_errors_are_counted_as_failures(tokenizer_dir):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        args = BenchArgs(
+            base_url=f"http://127.0.0.1:{port}/v1/",
+            model="m",
+            tokenizer=tokenizer_dir,
+            prompt_tokens=8,
+            output_tokens=2,
+            num_prompts=[3],
+            concurrency=[3],
+            progress=False,
+        )
+        result = await run_bench(args)
+    assert (result.summaries[0].successes, result.summaries[0].failures) == (0, 3)
+    assert result.summaries[0].errors.startswith("3 x ConnectError")
+
+
+async def test_poisson_arrivals_follow_the_seeded_schedule_under_the_concurrency_cap(
+    tokenizer, tokenizer_dir
+):
+    with FakeOpenAIServer(tokenizer, tokenizer_dir) as server:
+        result = await run_bench(_args(server, num_prompts=[12], concurrency=[2], request_rate=100.0, seed=5))
+    records = result.records[0]
+    assert all(r.ok for r in records)
+    assert [r.scheduled_s for r in records] == pytest.approx(list(poisson_arrival_offsets(12, 100.0, 5)))
+    assert all(r.start_s >= r.scheduled_s - 1e-3 for r in records)  # never released before its arrival
+    assert server.max_in_flight <= 2
+    assert result.summaries[0].request_rate == 100.0
+
+
+def test_poisson_gaps_have_mean_one_over_the_rate():
+    offsets = poisson_arrival_offsets(20000, 10.0, seed=1)
+    assert offsets[0] == 0.0 and (offsets[1:] >= offsets[:-1]).all()
+    assert offsets[-1] / (len(offsets) - 1) == pytest.approx(0.1, rel=0.03)
+    assert (poisson_arrival_offsets(4, float("inf"), seed=1) == 0).all()
+
+
+def test_cli_writes_csv_json_and_plot_and_report_merges_labels(tokenizer, tokenizer_dir, tmp_path, capsys):
+    import matplotlib.image
+
+    paths = {name: tmp_path / name for name in ("a.csv", "b.csv", "a.json", "a.png", "merged.png")}
+    with FakeOpenAIServer(tokenizer, tokenizer_dir) as server:
+        common = [
+            "--base-url",
+            server.base_url,
+            "--prompt-tokens",
+            "24",
+            "--output-tokens",
+            "4",
+            "--concurrency",
+            "1,3",
+            "--num-prompts",
+            "2,6",
+            "--no-progress",
+        ]
+        assert (
+            main(
+                [
+                    *common,
+                    "--label",
+                    "alpha",
+                    "--csv",
+                    str(paths["a.csv"]),
+                    "--json",
+                    str(paths["a.json"]),
+                    "--plot",
+                    str(paths["a.png"]),
+                ]
+            )
+            == 0
+        )
+        assert main([*common, "--label", "beta", "--csv", str(paths["b.csv"])]) == 0
+        assert (
+            main(
+                [
+                    *common,
+                    "--label",
+                    "beta",
+                    "--csv",
+                    str(paths["b.csv"]),
+                    "--concurrency",
+                    "3",
+                    "--num-prompts",
+                    "3",
+                ]
+            )
+            == 0
+        )  # appended
+    with open(paths["b.csv"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["label"], r["concurrency"], r["num_prompts"]) for r in rows] == [
+        ("beta", "1", "2"),
+        ("beta", "3", "6"),
+        ("beta", "3", "3"),
+    ]
+    assert all(r["prompt_tokens"] == "24" and r["output_tokens"] == "4" for r in rows)
+    runs = json.loads(paths["a.json"].read_text())["runs"]
+    assert [len(run["requests"]) for run in runs] == [2, 6]
+    assert runs[1]["summary"]["successes"] == 6
+
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "report",
+                str(paths["a.csv"]),
+                str(paths["b.csv"]),
+                "--plot",
+                str(paths["merged.png"]),
+                "--baseline",
+                "beta",
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "Throughput (tok/s)" in printed and "alpha" in printed and "beta" in printed
+    assert "alpha vs beta at 3: throughput x" in printed
+    for png in (paths["a.png"], paths["merged.png"]):
+        assert matplotlib.image.imread(png).shape[:2] == (420, 1100)
