@@ -1,0 +1,138 @@
+"""`shardserve serve | bench | make-model`: the console script.
+
+`serve` flags are generated from ServeArgs with vLLM's spelling (`--max-num-seqs`, `--no-enable-prefix-caching`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import types
+import typing
+from typing import Any
+
+from app.config import ServeArgs
+
+logger = logging.getLogger("shardserve.cli")
+
+# Flags vLLM users expect that are spelled differently in ServeArgs.
+FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}
+FLAG_HELP = {
+    "model": "local Hugging Face model directory (default: the built-in demo model)",
+    "host": "address to listen on (default 127.0.0.1: this machine only)",
+    "api_key": "require `Authorization: Bearer <key>` on every /v1 route",
+    "max_waiting_requests": "answer 429 with Retry-After once this many requests wait in a replica",
+    "num_replicas": "a fixed number of replicas (disables autoscaling)",
+    "target_queue_depth": "autoscaling target: engine queue depth (waiting + running) per replica",
+}
+
+
+def _flag_type(annotation: Any) -> tuple[Any, list | None]:
+    """(argparse type, choices) for one ServeArgs field annotation."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    if typing.get_origin(annotation) is typing.Literal:
+        choices = list(typing.get_args(annotation))
+        return type(choices[0]), choices
+    return annotation, None
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServeArgs field; unset flags stay out of the namespace so ServeArgs' defaults apply."""
+    for name, field in ServeArgs.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = FLAG_HELP.get(name, f"(default: {field.default})")
+        kind, choices = _flag_type(field.annotation)
+        names = [flag, *FLAG_ALIASES.get(name, [])]
+        if kind is bool:
+            parser.add_argument(*names, dest=name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(*names, dest=name, type=kind, choices=choices, default=argparse.SUPPRESS,
+                                help=help_text)
+
+
+def serve_args_from(namespace: argparse.Namespace) -> ServeArgs:
+    fields = {k: v for k, v in vars(namespace).items() if k in ServeArgs.model_fields}
+    return ServeArgs(**fields)
+
+
+def _cluster_cpus(args: ServeArgs) -> int:
+    """Logical CPUs for the local Ray: enough for every replica's placement group at max scale."""
+    replicas = args.num_replicas or args.max_replicas
+    needed = replicas * args.tensor_parallel_size * args.cpus_per_rank + 1
+    return max(os.cpu_count() or 1, int(needed + 0.999))
+
+
+def serve(args: ServeArgs) -> None:
+    """Start a local Ray, run the app behind Serve's HTTP proxy, block until Ctrl-C or SIGTERM."""
+    # Set before Ray starts: every Ray port then listens on 127.0.0.1 only.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    from ray import serve as ray_serve
+
+    from app.deployment import build_app, served_model_name
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    ray.init(include_dashboard=False, num_cpus=_cluster_cpus(args), logging_level=logging.WARNING)
+    try:
+        ray_serve.start(http_options={"host": args.host, "port": args.port})
+        ray_serve.run(build_app(args), name="shardserve", route_prefix="/")
+        scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from the network"
+        logger.info("serving %r at http://%s:%d/v1 (bound to %s; %s)", served_model_name(args), args.host,
+                    args.port, args.host, scope)
+        stop.wait()
+        logger.info("shutting down")
+    finally:
+        ray_serve.shutdown()
+        ray.shutdown()
+
+
+def _add_bench(subparsers) -> None:
+    try:
+        from app import bench
+    except ImportError:
+        return
+    bench.add_parser(subparsers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardserve", description="An OpenAI-compatible LLM server.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    serve_parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_serve_flags(serve_parser)
+    make_model = subparsers.add_parser("make-model", help="write a small random-weight model directory",
+                                       add_help=False)
+    make_model.add_argument("make_model_args", nargs=argparse.REMAINDER)
+    _add_bench(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["make-model"]:  # its own parser owns the flags (--arch, --preset, --out)
+        from engine.demo_model import main as make_model_main
+
+        make_model_main(argv[1:])
+        return 0
+    namespace = build_parser().parse_args(argv)
+    if namespace.command == "serve":
+        serve(serve_args_from(namespace))
+        return 0
+    handler = getattr(namespace, "func", None)
+    if handler is None:
+        raise SystemExit(f"unknown command {namespace.command!r}")
+    result = handler(namespace)
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
