@@ -24,8 +24,14 @@ OUTPUT_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> str:
-    """A small byte-level BPE tokenizer that adds BOS (like Llama's) and has a chat template."""
+def tokenizer_dir(tiny_llama_dir) -> str:
+    """The tiny Llama's tokenizer (byte-level BPE, ChatML-like template, no BOS added to completions)."""
+    return str(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer_dir(tmp_path_factory) -> str:
+    """A small byte-level BPE tokenizer that adds BOS to every encoding (as Llama 2/3's do)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -59,6 +65,12 @@ def tokenizer_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def tokenizer(tokenizer_dir):
     return load_tokenizer(tokenizer_dir)
+
+
+@pytest.fixture(scope="module", params=["adds_bos", "tiny_llama"])
+def any_tokenizer(request, bos_tokenizer_dir, tokenizer):
+    """Prompt-length tests run on a tokenizer that adds BOS and on one that does not."""
+    return load_tokenizer(bos_tokenizer_dir) if request.param == "adds_bos" else tokenizer
 
 
 class FakeOpenAIServer:
@@ -179,43 +191,47 @@ def _args(server, **overrides) -> BenchArgs:
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_prompts_are_exactly_the_requested_tokens_as_the_server_counts_them(tokenizer, endpoint):
-    builder = PromptBuilder(tokenizer, 64, endpoint=endpoint, seed=3)
+def test_prompts_are_exactly_the_requested_tokens_as_the_server_counts_them(any_tokenizer, endpoint):
+    builder = PromptBuilder(any_tokenizer, 64, endpoint=endpoint, seed=3)
     prompts = builder.build(40)
     assert len(set(prompts)) == 40
     for prompt in prompts:
         if endpoint == "completions":
-            assert len(tokenizer(prompt)["input_ids"]) == 64  # BOS + 63 text tokens
+            assert len(any_tokenizer(prompt)["input_ids"]) == 64
         else:
-            ids = tokenizer.apply_chat_template(
+            ids = any_tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True
             )
             assert len(ids["input_ids"]) == 64
 
 
-def test_distinct_prompts_share_no_leading_block_unless_a_shared_prefix_is_asked_for(tokenizer):
-    distinct = PromptBuilder(tokenizer, 64, seed=0).build(20)
-    heads = [tuple(tokenizer(p)["input_ids"][1:9]) for p in distinct]
+def test_distinct_prompts_share_no_leading_block_unless_a_shared_prefix_is_asked_for(any_tokenizer):
+    distinct = PromptBuilder(any_tokenizer, 64, seed=0).build(20)
+    heads = [tuple(any_tokenizer(p, add_special_tokens=False)["input_ids"][:8]) for p in distinct]
     assert len(set(heads)) == 20
 
-    shared = PromptBuilder(tokenizer, 64, shared_prefix_tokens=24, seed=0)
+    shared = PromptBuilder(any_tokenizer, 64, shared_prefix_tokens=24, seed=0)
     prompts = shared.build(20)
-    assert len(tokenizer(shared.prefix, add_special_tokens=False)["input_ids"]) == 24
+    assert len(any_tokenizer(shared.prefix, add_special_tokens=False)["input_ids"]) == 24
     assert all(p.startswith(shared.prefix) for p in prompts)
     assert len(set(prompts)) == 20
-    assert {len(tokenizer(p)["input_ids"]) for p in prompts} == {64}
+    assert {len(any_tokenizer(p)["input_ids"]) for p in prompts} == {64}
 
 
-def test_same_seed_gives_the_same_prompts(tokenizer):
-    assert PromptBuilder(tokenizer, 48, seed=7).build(5) == PromptBuilder(tokenizer, 48, seed=7).build(5)
-    assert PromptBuilder(tokenizer, 48, seed=7).build(5) != PromptBuilder(tokenizer, 48, seed=8).build(5)
+def test_same_seed_gives_the_same_prompts(any_tokenizer):
+    assert PromptBuilder(any_tokenizer, 48, seed=7).build(5) == PromptBuilder(
+        any_tokenizer, 48, seed=7
+    ).build(5)
+    assert PromptBuilder(any_tokenizer, 48, seed=7).build(5) != PromptBuilder(
+        any_tokenizer, 48, seed=8
+    ).build(5)
 
 
-def test_a_prompt_with_no_room_for_content_is_refused(tokenizer):
+def test_a_prompt_with_no_room_for_content_is_refused(any_tokenizer):
     with pytest.raises(PromptLengthError, match="no room"):
-        PromptBuilder(tokenizer, 5, endpoint="chat")  # the template alone is longer
+        PromptBuilder(any_tokenizer, 5, endpoint="chat")  # the template alone is longer
     with pytest.raises(PromptLengthError, match="shared_prefix_tokens"):
-        PromptBuilder(tokenizer, 16, shared_prefix_tokens=16)
+        PromptBuilder(any_tokenizer, 16, shared_prefix_tokens=16)
 
 
 # ---- runs against the fake server ------------------------------------------------------------------------

@@ -1,0 +1,77 @@
+"""`shardserve bench` against a real `shardserve serve` (tiny model, a subprocess on a free 127.0.0.1 port)."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import matplotlib.image
+import pytest
+
+from app.bench import BenchArgs, run_bench
+from scripts.bench_serve import ServerProcess
+
+PROMPT_TOKENS = 48
+OUTPUT_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    server = ServerProcess(
+        str(tiny_llama_dir), extra_args=["--dtype", "float32", "--api-key", "sesame"], log_path=str(log)
+    )
+    with server.start(timeout_s=240):
+        yield server
+    assert server.process.returncode is not None  # stopped by PID
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.process.pid, 0)  # and nothing it started is left running
+
+
+def _args(served, tmp_path, **overrides) -> BenchArgs:
+    settings = dict(
+        base_url=served.base_url,
+        api_key="sesame",
+        prompt_tokens=PROMPT_TOKENS,
+        output_tokens=OUTPUT_TOKENS,
+        num_prompts=[3, 8],
+        concurrency=[1, 4],
+        progress=False,
+        csv=str(tmp_path / "runs.csv"),
+        plot=str(tmp_path / "runs.png"),
+    )
+    return BenchArgs(**{**settings, **overrides})
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_bench_against_shardserve_counts_every_token_exactly(served, tmp_path, endpoint):
+    result = await run_bench(_args(served, tmp_path, endpoint=endpoint))
+    for summary, records in zip(result.summaries, result.records, strict=True):
+        assert (summary.failures, summary.usage_mismatches) == (0, 0), summary.errors
+        assert [(r.prompt_tokens, r.completion_tokens) for r in records] == [
+            (PROMPT_TOKENS, OUTPUT_TOKENS)
+        ] * summary.num_prompts
+        assert all(0 < r.ttft_s < r.latency_s for r in records)
+        assert summary.generated_tokens == summary.num_prompts * OUTPUT_TOKENS
+        assert summary.output_throughput == pytest.approx(summary.generated_tokens / summary.wall_s)
+    with open(tmp_path / "runs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["concurrency"], r["successes"]) for r in rows] == [("1", "3"), ("4", "8")]
+    assert matplotlib.image.imread(tmp_path / "runs.png").shape[:2] == (420, 1100)
+
+
+async def test_a_wrong_api_key_fails_every_request_against_shardserve(served, tmp_path):
+    result = await run_bench(
+        _args(
+            served,
+            tmp_path,
+            api_key="wrong",
+            model=served.model_dir,
+            tokenizer=served.model_dir,
+            num_prompts=[4],
+            concurrency=[2],
+        )
+    )
+    summary = result.summaries[0]
+    assert (summary.successes, summary.failures) == (0, 4)
+    assert summary.errors.startswith("4 x HTTP 401")
