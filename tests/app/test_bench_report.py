@@ -143,3 +143,22 @@ def test_error_messages_are_taken_from_openai_shaped_bodies():
     assert error_message('{"error": {"message": "bad key", "code": 401}}') == "bad key"
     assert error_message('{"detail": "Not Found"}') == "Not Found"
     assert error_message("upstream timed out") == "upstream timed out"
+
+
+def test_make_bench_rewrites_only_its_own_block_of_the_benchmarks_doc(tmp_path):
+    from scripts.bench_serve import DOC_BEGIN, DOC_END, rewrite_doc_section
+
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text(
+        f"# Benchmarks\n\n## Engine\n\nengine table\n\n## Serving benchmark\n\nhow\n\n{DOC_BEGIN}\nold\n{DOC_END}\n\n## Other\n\nkept\n"
+    )
+    rewrite_doc_section(doc, "new table")
+    rewrite_doc_section(doc, "newer table")
+    assert doc.read_text() == (
+        f"# Benchmarks\n\n## Engine\n\nengine table\n\n## Serving benchmark\n\nhow\n\n{DOC_BEGIN}\nnewer table\n{DOC_END}\n\n## Other\n\nkept\n"
+    )
+
+    fresh = tmp_path / "NEW.md"
+    rewrite_doc_section(fresh, "table")
+    rewrite_doc_section(fresh, "table 2")
+    assert fresh.read_text() == f"# Benchmarks\n\n## Serving benchmark\n\n{DOC_BEGIN}\ntable 2\n{DOC_END}\n"
