@@ -9,12 +9,9 @@ Grouped-query attention: query head h reads KV head h // (num_heads // num_kv_he
 """
 
 import torch
-import torch.nn.functional as F
 
 
-def _gather_kv(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather every sequence's blocks once: K and V as [num_kv_heads, num_seqs, max_context, head_dim]."""
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     num_seqs, max_blocks = block_tables.shape

@@ -1,0 +1,34 @@
+"""Shared fixtures for the kernel tests: both backends, and poisoned allocations."""
+
+import os
+
+# Triton reads this once, at its first import; the root conftest sets it too.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels.backend import KernelBackend, get_backend  # noqa: E402
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request) -> KernelBackend:
+    """Every shared kernel test runs once per implementation."""
+    return get_backend(request.param, "cpu")
+
+
+@pytest.fixture
+def poisoned_allocations(monkeypatch):
+    """Fresh tensors from torch.empty / empty_like start as NaN (floats) or a huge sentinel (ints),
+    so an output element a kernel forgets to write fails the comparison instead of reading as zero."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point():
+            return tensor.fill_(float("nan"))
+        if tensor.dtype != torch.bool:
+            return tensor.fill_(torch.iinfo(tensor.dtype).max)
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poison(empty(*args, **kwargs)))
+    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poison(empty_like(*args, **kwargs)))

@@ -1,0 +1,65 @@
+"""Paged prefill attention: chunks of queries over their cached prefix plus causally within the chunk."""
+
+import pytest
+import torch
+from kernel_float64_spec import assert_close_to_spec, prefill_attention
+from paged_inputs import random_kv_cache, scattered_block_tables
+
+pytestmark = pytest.mark.usefixtures("poisoned_allocations")
+
+NUM_KV_HEADS = 2
+
+# (block_size, head_dim, query heads per KV head, dtype)
+CASES = [
+    (16, 64, 1, torch.float32),
+    (32, 128, 2, torch.float32),
+    (16, 128, 4, torch.bfloat16),
+    (32, 64, 4, torch.float32),
+    (16, 64, 2, torch.bfloat16),
+]
+
+
+def chunks_for(block_size: int) -> list[tuple[int, int]]:
+    """(tokens already cached, tokens in this chunk) per sequence."""
+    return [
+        (0, block_size + 7),  # a whole prompt in one chunk, ending mid-block
+        (block_size + 3, 9),  # a later chunk starting mid-block (chunked prefill)
+        (2 * block_size, 1),  # a one-token chunk right after a prefix-cache hit of whole blocks
+        (5, 2 * block_size - 2),  # a chunk spanning several blocks from mid-block
+    ]
+
+
+@pytest.mark.parametrize("block_size, head_dim, group, dtype", CASES)
+def test_prefill_attention_matches_float64_spec(backend, block_size, head_dim, group, dtype):
+    generator = torch.Generator().manual_seed(block_size * 1000 + head_dim + group)
+    chunks = chunks_for(block_size)
+    context_lens = [cached + new for cached, new in chunks]
+    query_lens = [new for _, new in chunks]
+    kv_cache = random_kv_cache(NUM_KV_HEADS, 16, block_size, head_dim, dtype, generator)
+    block_tables = scattered_block_tables(context_lens, block_size, 16, generator)
+    query = torch.randn(sum(query_lens), NUM_KV_HEADS * group, head_dim, generator=generator).to(dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+
+    out = backend.paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, lens, scale)
+
+    assert out.dtype == dtype
+    spec = prefill_attention(query, kv_cache, block_tables, query_start_loc, lens, scale)
+    assert_close_to_spec(out, spec, dtype)
+
+
+def test_prefill_of_a_one_token_chunk_equals_decode(backend):
+    """A chunk of one token at the end of its context is exactly a decode step."""
+    generator = torch.Generator().manual_seed(3)
+    context_lens = [21, 40, 7]
+    kv_cache = random_kv_cache(NUM_KV_HEADS, 12, 16, 64, torch.float32, generator)
+    block_tables = scattered_block_tables(context_lens, 16, 12, generator)
+    query = torch.randn(3, 2 * NUM_KV_HEADS, 64, generator=generator)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    query_start_loc = torch.arange(4, dtype=torch.int32)
+
+    prefill = backend.paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, lens, 0.125)
+    decode = backend.paged_decode_attention(query, kv_cache, block_tables, lens, 0.125)
+
+    torch.testing.assert_close(prefill, decode, rtol=1e-5, atol=1e-6)
