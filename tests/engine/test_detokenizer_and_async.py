@@ -1,0 +1,113 @@
+"""Incremental detokenization, and the async engine's streams, aborts and error reporting."""
+
+import asyncio
+
+import pytest
+
+from engine import AsyncLLMEngine, EngineDeadError, InvalidRequestError, SamplingParams
+from engine.config import EngineConfig
+from engine.detokenizer import Detokenizer
+from engine.loader import load_tokenizer
+from engine.sequence import Request
+
+
+@pytest.mark.parametrize("text", ["héllo wörld → 日本語のテキスト 🚀🎉 done", "ascii only, plain words"])
+def test_multibyte_characters_split_across_tokens_are_emitted_whole(tiny_llama_dir, text):
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt = tokenizer.encode("prefix", add_special_tokens=False)
+    seq = Request("r", None, prompt, SamplingParams()).seqs[0]
+    detokenizer = Detokenizer(tokenizer)
+    pieces = []
+    for token_id in ids:
+        seq.append_token(token_id, None)
+        detokenizer.append_token(seq)
+        piece = detokenizer.take_new_text(seq)
+        assert "\ufffd" not in piece
+        pieces.append(piece)
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    if any(ord(ch) > 0x7FF for ch in text):
+        # some token ended mid-character and its delta had to wait for the next token
+        assert "" in pieces
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_llama_dir):
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
+    yield engine
+    engine.shutdown()
+
+
+def greedy(max_tokens):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def collect(engine, request_id, prompt, params):
+    tokens, text, last = [], "", None
+    async for delta in engine.generate(prompt, params, request_id):
+        for out in delta.outputs:
+            tokens.extend(out.token_ids)
+            text += out.text
+        last = delta
+    return tokens, text, last
+
+
+async def test_concurrent_streams_match_offline_generation(async_engine, hf_greedy, tiny_llama_dir):
+    prompts = [[5 + i, 40, 77, 100 + i * 3, 9] * (i + 1) for i in range(6)]
+    expected = hf_greedy(tiny_llama_dir, prompts, 10, ignore_eos=True)
+    results = await asyncio.gather(
+        *(collect(async_engine, f"c{i}", p, greedy(10)) for i, p in enumerate(prompts))
+    )
+    assert [tokens for tokens, _, _ in results] == expected
+    for _, _, last in results:
+        assert last.finished and last.outputs[-1].finish_reason == "length"
+        metrics = last.metrics
+        assert metrics.arrival_time <= metrics.first_scheduled_time <= metrics.first_token_time <= metrics.finished_time
+
+
+async def test_leaving_a_stream_early_aborts_and_frees_blocks(async_engine):
+    idle_free = async_engine.stats().num_free_blocks
+    stream = async_engine.generate([3] * 50, greedy(200), "leaver")
+    async for _ in stream:
+        break
+    await stream.aclose()
+    for _ in range(200):  # the abort lands on the loop thread within a step
+        if async_engine.stats().num_free_blocks == idle_free and async_engine.stats().num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert async_engine.stats().num_free_blocks == idle_free
+    assert async_engine.stats().num_running == 0
+
+
+async def test_invalid_request_raises_before_streaming_and_engine_keeps_serving(async_engine):
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        async for _ in async_engine.generate([1] * 10, greedy(10**6), "too-long"):
+            pass
+    tokens, _, _ = await collect(async_engine, "after-bad", [4, 5, 6], greedy(3))
+    assert len(tokens) == 3
+
+
+async def test_explicit_abort_ends_the_stream_with_abort(async_engine):
+    seen = []
+    async for delta in async_engine.generate([8] * 30, greedy(500), "aborted"):
+        seen.append(delta)
+        if len(seen) == 2:
+            async_engine.abort("aborted")
+    assert seen[-1].finished and seen[-1].outputs[-1].finish_reason == "abort"
+
+
+async def test_a_dying_step_loop_fails_every_stream_and_marks_the_engine_dead(tiny_llama_dir):
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
+
+    def broken_step():
+        raise RuntimeError("simulated device failure")
+
+    engine.engine.step = broken_step
+    with pytest.raises(EngineDeadError, match="simulated device failure"):
+        async for _ in engine.generate([5, 6, 7], greedy(4), "doomed"):
+            pass
+    assert not engine.is_running
+    with pytest.raises(EngineDeadError):
+        async for _ in engine.generate([5, 6, 7], greedy(4), "after-death"):
+            pass
+    engine.shutdown()

@@ -1,0 +1,135 @@
+"""Greedy output equals transformers' token for token, whatever the batching, chunking or preemption."""
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+
+MAX_NEW = 12
+
+
+def random_prompts(lengths, vocab=512, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def greedy(max_tokens=MAX_NEW, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def assert_diverse(expected):
+    """Random weights can collapse onto one repeated token, which would hide most bugs."""
+    for tokens in expected:
+        assert len(set(tokens)) >= 3, f"oracle output is degenerate: {tokens}"
+    everything = [t for tokens in expected for t in tokens]
+    assert len(set(everything)) >= len(everything) // 3, "oracle outputs share too few tokens"
+
+
+def run_llm(model_dir, prompts, **engine_args):
+    llm = LLM(model=str(model_dir), dtype="float32", **engine_args)
+    outputs = llm.generate(prompts, greedy())
+    return llm, [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def prompts16():
+    lengths = [1, 2, 3, 5, 8, 13, 17, 31, 32, 33, 64, 100, 127, 200, 257, 300]
+    return random_prompts(lengths, seed=16)
+
+
+def test_one_prompt(tiny_llama_dir, hf_greedy):
+    [prompt] = random_prompts([23])
+    expected = hf_greedy(tiny_llama_dir, [prompt], MAX_NEW, ignore_eos=True)
+    assert_diverse(expected)
+    _, got = run_llm(tiny_llama_dir, [prompt])
+    assert got == expected
+
+
+def test_sixteen_prompts_of_lengths_1_to_300_submitted_together(tiny_llama_dir, hf_greedy, prompts16):
+    expected = hf_greedy(tiny_llama_dir, prompts16, MAX_NEW, ignore_eos=True)
+    assert_diverse(expected)
+    _, got = run_llm(tiny_llama_dir, prompts16)
+    assert got == expected
+
+
+def test_staggered_arrival_while_others_decode(tiny_llama_dir, hf_greedy):
+    prompts = random_prompts([40, 7, 90, 15, 60], seed=3)
+    expected = hf_greedy(tiny_llama_dir, prompts, MAX_NEW, ignore_eos=True)
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
+    got: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    saw_decode_with_newcomer = False
+    while pending or engine.has_unfinished_requests():
+        if pending and engine.num_steps % 3 == 0:
+            index, prompt = pending.pop(0)
+            engine.add_request(str(index), prompt, greedy())
+        running_before = len(engine.scheduler.running)
+        for delta in engine.step():
+            got.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+        saw_decode_with_newcomer |= running_before > 0 and engine.num_mixed_steps > 0
+    assert saw_decode_with_newcomer
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+
+
+def test_chunked_prefill_shares_steps_with_decodes(tiny_llama_dir, hf_greedy, prompts16):
+    expected = hf_greedy(tiny_llama_dir, prompts16, MAX_NEW, ignore_eos=True)
+    llm, got = run_llm(tiny_llama_dir, prompts16, max_num_batched_tokens=32)
+    assert got == expected
+    assert llm.engine.num_mixed_steps > 0, "no step mixed a prefill chunk with decodes"
+
+
+def test_preemption_under_a_small_kv_pool_keeps_outputs_and_frees_every_block(tiny_llama_dir, hf_greedy):
+    prompts = random_prompts([30, 45, 20, 60, 33, 50], seed=5)
+    expected = hf_greedy(tiny_llama_dir, prompts, 24, ignore_eos=True)
+    # 16 blocks of 16 tokens = 256 slots for ~240 prompt tokens + 6 × 24 outputs
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, max_model_len=256)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(max_tokens=24))]
+    assert llm.engine.scheduler.num_preemptions > 0, "the pool was large enough: no preemption happened"
+    assert got == expected
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    manager.check_invariants()
+
+
+def test_preemption_combined_with_chunked_prefill(tiny_qwen2_dir, hf_greedy):
+    prompts = random_prompts([70, 20, 90, 35], seed=7)
+    expected = hf_greedy(tiny_qwen2_dir, prompts, 16, ignore_eos=True)
+    llm = LLM(model=str(tiny_qwen2_dir), dtype="float32", num_kv_blocks=14, max_model_len=200,
+              max_num_batched_tokens=24, block_size=16)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(max_tokens=16))]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.num_mixed_steps > 0
+    assert got == expected
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_llama3_rope_dir"])
+def test_architectures_match_transformers(fixture, request, hf_greedy):
+    model_dir = request.getfixturevalue(fixture)
+    prompts = random_prompts([9, 50, 120], seed=11)
+    expected = hf_greedy(model_dir, prompts, MAX_NEW, ignore_eos=True)
+    assert_diverse(expected)
+    _, got = run_llm(model_dir, prompts, max_num_batched_tokens=64)
+    assert got == expected
+
+
+def test_logprobs_of_chosen_tokens_match_transformers(tiny_llama_dir, hf_greedy):
+    prompts = random_prompts([12, 40], seed=21)
+    hf_model = hf_greedy.model(tiny_llama_dir)
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32")
+    outputs = llm.generate(prompts, greedy(max_tokens=8, logprobs=3))
+    for prompt, output in zip(prompts, outputs):
+        completion = output.outputs[0]
+        full = torch.tensor([prompt + completion.token_ids])
+        with torch.inference_mode():
+            hf_logprobs = torch.log_softmax(hf_model(full).logits[0].float(), dim=-1)
+        for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            row = hf_logprobs[len(prompt) - 1 + step]
+            assert abs(entry[token] - row[token].item()) < 1e-4
+            assert len(entry) in (3, 4)  # top-3 plus the chosen token when it is not among them
+            top3 = row.topk(3).indices.tolist()
+            assert set(top3) <= set(entry)
+        assert completion.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(completion.token_ids, completion.logprobs)))

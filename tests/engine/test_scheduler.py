@@ -1,0 +1,172 @@
+"""Scheduler and block manager: exact block ids, token budgets, chunking, preemption."""
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Request, SequenceStatus
+
+
+def make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64, max_num_seqs=8, chunked=True):
+    config = EngineConfig(
+        model="unused",
+        block_size=block_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        enable_chunked_prefill=chunked,
+        watermark=0.0,
+    )
+    manager = BlockManager(num_blocks, block_size, watermark=0.0)
+    return Scheduler(config, manager), manager
+
+
+_request_counter = iter(range(10**6))
+
+
+def add_request(scheduler, prompt_len, max_tokens=8):
+    request = Request(f"r{next(_request_counter)}", None, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens))
+    for seq in request.seqs:
+        scheduler.add(seq)
+    return request.seqs[0]
+
+
+def run_step(sched_out, new_token=7):
+    """What the engine does after a forward pass: advance computed tokens, append sampled tokens."""
+    for chunk in sched_out.chunks:
+        completes = chunk.completes_sequence
+        chunk.seq.num_computed_tokens += chunk.num_tokens
+        if completes:
+            chunk.seq.append_token(new_token, None)
+
+
+def test_prompt_blocks_are_allocated_in_order_from_the_free_pool():
+    scheduler, manager = make_scheduler()
+    a = add_request(scheduler, 6)  # 2 blocks of 4
+    b = add_request(scheduler, 9)  # 3 blocks
+    out = scheduler.schedule()
+    assert [c.seq for c in out.prefills] == [a, b]
+    assert a.block_table == [0, 1]
+    assert b.block_table == [2, 3, 4]
+    assert manager.num_free_blocks == 11
+
+
+def test_decode_appends_a_block_only_when_the_last_one_fills():
+    scheduler, manager = make_scheduler()
+    seq = add_request(scheduler, 7)
+    run_step(scheduler.schedule())  # prompt: 7 tokens in blocks [0, 1]; sampled token 8
+    assert seq.num_tokens == 8 and seq.block_table == [0, 1]
+    out = scheduler.schedule()  # decode token 8 -> position 7, still block 1
+    assert [c.seq for c in out.decodes] == [seq] and seq.block_table == [0, 1]
+    run_step(out)
+    out = scheduler.schedule()  # token 9 -> position 8, needs block 2
+    assert seq.block_table == [0, 1, 2]
+
+
+def test_decode_is_scheduled_before_new_prefill():
+    scheduler, _ = make_scheduler(max_num_batched_tokens=10)
+    first = add_request(scheduler, 4)
+    run_step(scheduler.schedule())
+    second = add_request(scheduler, 20)
+    out = scheduler.schedule()
+    assert [c.seq for c in out.decodes] == [first]
+    # the remaining 9 tokens of budget go to the new prompt's first chunk
+    assert [(c.seq, c.num_tokens) for c in out.prefills] == [(second, 9)]
+    assert out.num_batched_tokens == 10
+
+
+def test_long_prompt_is_split_across_steps_within_the_budget():
+    scheduler, _ = make_scheduler(max_num_batched_tokens=8, num_blocks=32)
+    seq = add_request(scheduler, 20)
+    chunks = []
+    while seq.num_output_tokens == 0:
+        out = scheduler.schedule()
+        chunks.append(out.prefills[0].num_tokens)
+        assert out.num_batched_tokens <= 8
+        run_step(out)
+    assert chunks == [8, 8, 4]
+    assert seq.block_table == [0, 1, 2, 3, 4]
+
+
+def test_without_chunked_prefill_a_prompt_over_the_budget_waits():
+    scheduler, _ = make_scheduler(max_num_batched_tokens=8, chunked=False)
+    add_request(scheduler, 12)
+    assert scheduler.schedule().is_empty
+
+
+def test_max_num_seqs_caps_running_sequences():
+    scheduler, _ = make_scheduler(max_num_seqs=2)
+    seqs = [add_request(scheduler, 2) for _ in range(3)]
+    out = scheduler.schedule()
+    assert [c.seq for c in out.prefills] == seqs[:2]
+    assert list(scheduler.waiting) == [seqs[2]]
+
+
+def test_newest_running_sequence_is_preempted_when_blocks_run_out():
+    scheduler, manager = make_scheduler(num_blocks=4, block_size=4)
+    old = add_request(scheduler, 8)  # blocks 0, 1
+    new = add_request(scheduler, 8)  # blocks 2, 3
+    run_step(scheduler.schedule())
+    assert manager.num_free_blocks == 0
+    out = scheduler.schedule()  # both need a third block; only preempting `new` frees two
+    assert out.preempted == [new]
+    assert [c.seq for c in out.decodes] == [old]
+    assert old.block_table == [0, 1, 2]
+    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0 and new.block_table == []
+    assert list(scheduler.waiting) == [new]
+    assert scheduler.num_preemptions == 1
+    assert new.request.metrics.preemptions
+    manager.check_invariants()
+
+
+def test_preempted_sequence_is_recomputed_with_its_generated_tokens():
+    scheduler, manager = make_scheduler(num_blocks=4, block_size=4)
+    old = add_request(scheduler, 8, max_tokens=1)
+    new = add_request(scheduler, 8)
+    run_step(scheduler.schedule())
+    scheduler.schedule()  # preempts `new`, which had 8 prompt tokens + 1 generated
+    scheduler.finish(old, "length")
+    out = scheduler.schedule()
+    assert [(c.seq, c.num_tokens) for c in out.prefills] == [(new, 9)]
+    assert new.request.metrics.resumes
+    manager.check_invariants()
+
+
+def test_sequence_preempts_itself_when_it_is_the_newest():
+    scheduler, manager = make_scheduler(num_blocks=2, block_size=4)
+    seq = add_request(scheduler, 8)
+    run_step(scheduler.schedule())
+    out = scheduler.schedule()  # needs a third block; nothing else to preempt
+    assert out.preempted == [seq] and out.is_empty
+    assert manager.num_free_blocks == 2
+
+
+def test_finish_returns_blocks_to_the_pool():
+    scheduler, manager = make_scheduler()
+    seq = add_request(scheduler, 10)
+    scheduler.schedule()
+    scheduler.finish(seq, "abort")
+    assert manager.num_free_blocks == 16 and seq.block_table == [] and seq.is_finished
+    assert not scheduler.has_unfinished()
+    manager.check_invariants()
+
+
+def test_watermark_keeps_blocks_for_running_sequences():
+    config = EngineConfig(model="unused", block_size=4, watermark=0.25)
+    manager = BlockManager(8, 4, watermark=0.25)  # 2 blocks reserved when admitting
+    scheduler = Scheduler(config, manager)
+    running = add_request(scheduler, 16)  # 4 blocks: admitted with nothing running
+    scheduler.schedule()
+    waiting = add_request(scheduler, 12)  # 3 blocks: 3 + 2 reserved > 4 free
+    out = scheduler.schedule()
+    assert [c.seq for c in out.chunks] == [running]
+    assert list(scheduler.waiting) == [waiting]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_block_count_covers_exactly_the_computed_tokens(block_size):
+    manager = BlockManager(64, block_size, watermark=0.0)
+    request = Request("x", None, list(range(37)), SamplingParams())
+    seq = request.seqs[0]
+    assert manager.allocate_slots(seq, 37)
+    assert len(seq.block_table) == -(-37 // block_size)
