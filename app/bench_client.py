@@ -161,6 +161,8 @@ class OpenAIStreamClient:
             try:
                 chunk = json.loads(payload)
             except json.JSONDecodeError:
+                chunk = None
+            if not isinstance(chunk, dict):
                 record.error = f"malformed SSE data: {payload[:80]!r}"
                 return
             if chunk.get("error"):
@@ -171,7 +173,9 @@ class OpenAIStreamClient:
                 record.completion_tokens = usage.get("completion_tokens")
             for choice in chunk.get("choices") or []:
                 text = (
-                    choice.get("delta", {}).get("content") if self.endpoint == "chat" else choice.get("text")
+                    (choice.get("delta") or {}).get("content")
+                    if self.endpoint == "chat"
+                    else choice.get("text")
                 )
                 if text:
                     if record.ttft_s is None:

@@ -36,8 +36,13 @@ def round_trip_token_ids(tokenizer) -> np.ndarray:
     """Ids of ordinary tokens whose text encodes back to the same single id (the pool prompts are drawn from)."""
     special = set(tokenizer.all_special_ids)
     candidates = [i for i in range(len(tokenizer)) if i not in special]
-    texts = tokenizer.batch_decode([[i] for i in candidates])
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # the Rust tokenizer directly: ~5x faster over a 32k vocabulary
+        texts = backend.decode_batch([[i] for i in candidates])
+        encoded = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    else:
+        texts = tokenizer.batch_decode([[i] for i in candidates])
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     pool = [i for i, text, ids in zip(candidates, texts, encoded, strict=True) if text.strip() and ids == [i]]
     if not pool:
         raise PromptLengthError("the tokenizer has no token whose text round-trips to itself")

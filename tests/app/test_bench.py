@@ -78,13 +78,17 @@ class FakeOpenAIServer:
 
     `api_key`: requests without it get OpenAI's 401. `refuse_every_other`: every second request gets a 503.
     `short_by`: generate that many tokens fewer than max_tokens (a server that ignores ignore_eos).
+    `fail_after`: send an error event instead of the rest of the stream after that many tokens.
     """
 
-    def __init__(self, tokenizer, tokenizer_dir, api_key=None, refuse_every_other=False, short_by=0):
+    def __init__(
+        self, tokenizer, tokenizer_dir, api_key=None, refuse_every_other=False, short_by=0, fail_after=None
+    ):
         self.tokenizer = tokenizer
         self.api_key = api_key
         self.refuse_every_other = refuse_every_other
         self.short_by = short_by
+        self.fail_after = fail_after
         self.num_requests = 0
         self.in_flight = 0
         self.max_in_flight = 0
@@ -150,6 +154,9 @@ class FakeOpenAIServer:
             if endpoint == "chat":
                 yield chunk({"delta": {"role": "assistant", "content": ""}})
             for i in range(num_tokens):
+                if i == self.fail_after:
+                    yield f"data: {json.dumps({'error': {'message': 'engine died', 'code': 500}})}\n\n"
+                    return
                 await asyncio.sleep(0.001)  # a decode step
                 text = f" t{i}"
                 last = i == num_tokens - 1
@@ -333,6 +340,14 @@ async def test_a_server_that_stops_early_is_reported_as_a_usage_mismatch(tokeniz
     summary = result.summaries[0]
     assert summary.successes == 6 and summary.usage_mismatches == 6
     assert summary.errors == f"6 x usage: completion_tokens {OUTPUT_TOKENS - 3} != {OUTPUT_TOKENS}"
+
+
+async def test_an_error_event_mid_stream_fails_the_request(tokenizer, tokenizer_dir):
+    with FakeOpenAIServer(tokenizer, tokenizer_dir, fail_after=2) as server:
+        result = await run_bench(_args(server, num_prompts=[3]))
+    summary = result.summaries[0]
+    assert (summary.successes, summary.failures, summary.generated_tokens) == (0, 3, 0)
+    assert summary.errors == "3 x error event: engine died"
 
 
 async def test_a_model_with_no_local_tokenizer_asks_for_one():
