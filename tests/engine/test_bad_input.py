@@ -30,7 +30,8 @@ def test_empty_prompt_is_rejected(llm):
 
 
 def test_token_id_outside_vocabulary_is_rejected(llm):
-    with pytest.raises(InvalidRequestError, match=r"token id 99999 is outside the vocabulary \[0, 512\)"):
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(InvalidRequestError, match=rf"token id 99999 is outside the vocabulary \[0, {vocab}\)"):
         llm.generate([[5, 99999]], greedy(max_tokens=4))
 
 
