@@ -1,0 +1,111 @@
+"""Shared fixtures: tiny random-weight model directories and the transformers greedy oracle."""
+
+# These must be set before anything imports triton or ray (test modules, plugins, fixtures):
+# - Triton reads TRITON_INTERPRET when it is first imported; kernels imported earlier in the
+#   process without it fail under the interpreter (tl.cdiv / tl.range), and CPU tests need it.
+# - Without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 Ray binds and talks on the machine's interface
+#   address; with it every Ray port listens on 127.0.0.1 only (tests stay on loopback).
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine.demo_model import make_model  # noqa: E402
+
+# rope_scaling as Llama 3.1 writes it, scaled down to the tiny model's context.
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """Llama, 2 layers, hidden 64, 4 query heads / 2 KV heads (GQA), vocab 512, float32, untied."""
+    return make_model("llama", "tiny", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gqa_dir(tiny_llama_dir) -> Path:
+    """The tiny Llama already uses grouped-query attention (4 query heads share 2 KV heads)."""
+    return tiny_llama_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with Llama 3's rope_scaling (factor 8 from 256 original positions)."""
+    return make_model(
+        "llama", "tiny", tmp_path_factory.mktemp("tiny-llama3-rope"), rope_scaling=LLAMA3_ROPE_SCALING
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """Qwen2 of the tiny shape: q/k/v bias, tied embeddings."""
+    return make_model("qwen2", "tiny", tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+class HFGreedy:
+    """transformers' greedy generate in float32, one prompt at a time: the exactness oracle.
+
+    `hf_greedy(model_dir, [prompt_ids, ...], max_new_tokens)` -> the new token ids per prompt.
+    Like the engine's default, generation stops after EOS (which is included); with
+    ignore_eos=True it always returns max_new_tokens tokens. Results are cached per session.
+    """
+
+    def __init__(self):
+        self._models: dict[str, torch.nn.Module] = {}
+        self._results: dict[tuple, list[int]] = {}
+
+    def __call__(
+        self, model_dir, prompt_ids_list: list[list[int]], max_new_tokens: int, ignore_eos: bool = False
+    ) -> list[list[int]]:
+        outputs = []
+        for prompt_ids in prompt_ids_list:
+            key = (str(model_dir), tuple(prompt_ids), max_new_tokens, ignore_eos)
+            if key not in self._results:
+                self._results[key] = self._generate(
+                    str(model_dir), list(prompt_ids), max_new_tokens, ignore_eos
+                )
+            outputs.append(list(self._results[key]))
+        return outputs
+
+    def model(self, model_dir) -> torch.nn.Module:
+        """The transformers model of a directory, float32, loaded once per session."""
+        from transformers import AutoModelForCausalLM
+
+        key = str(model_dir)
+        if key not in self._models:
+            self._models[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+        return self._models[key]
+
+    @torch.inference_mode()
+    def _generate(
+        self, model_dir: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool
+    ) -> list[int]:
+        model = self.model(model_dir)
+        generation_config = model.generation_config
+        eos = None if ignore_eos else generation_config.eos_token_id
+        input_ids = torch.tensor([prompt_ids])
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=generation_config.eos_token_id,
+        )
+        return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy() -> HFGreedy:
+    return HFGreedy()

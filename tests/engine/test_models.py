@@ -1,0 +1,249 @@
+"""Our Llama / Qwen2 against transformers on the same weights, and the tensor-parallel shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.loader import load_model
+from kernels.backend import get_backend
+from parallel.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from parallel.state import ParallelContext
+
+BLOCK_SIZE = 4
+PROMPTS = [
+    [1, 17, 300, 42, 99, 5, 511, 64, 7, 250, 3],  # 11 tokens: spans 3 blocks
+    [1, 200],
+    [1, 9, 8, 7, 6, 5, 4, 3, 100, 101, 102, 103, 104, 105, 106, 107, 108],  # 17: a fifth block
+]
+
+
+def _i32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _block_tables(prompt_lens: list[int], extra_tokens: int) -> torch.Tensor:
+    """Consecutive fresh blocks per sequence, with room for `extra_tokens` more: [num_seqs, max_blocks]."""
+    blocks_per_seq = max(-(-(n + extra_tokens) // BLOCK_SIZE) for n in prompt_lens)
+    return torch.arange(len(prompt_lens) * blocks_per_seq, dtype=torch.int32).view(
+        len(prompt_lens), blocks_per_seq
+    )
+
+
+def _slots(block_table: torch.Tensor, positions: range) -> list[int]:
+    return [int(block_table[p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+
+
+def prefill_metadata(prompt_lens: list[int], block_tables: torch.Tensor) -> AttentionMetadata:
+    """Whole prompts prefilled in one step into fresh blocks; no decodes."""
+    slots = [s for n, table in zip(prompt_lens, block_tables) for s in _slots(table, range(n))]
+    starts = [0]
+    for n in prompt_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        num_decode_tokens=0,
+        decode_block_tables=torch.zeros((0, block_tables.shape[1]), dtype=torch.int32),
+        decode_context_lens=_i32([]),
+        num_prefill_tokens=sum(prompt_lens),
+        prefill_block_tables=block_tables,
+        prefill_query_start_loc=_i32(starts),
+        prefill_context_lens=_i32(prompt_lens),
+    )
+
+
+def decode_metadata(context_lens: list[int], block_tables: torch.Tensor) -> AttentionMetadata:
+    """One new token per sequence at position context_len - 1; no prefills."""
+    slots = [s for n, table in zip(context_lens, block_tables) for s in _slots(table, range(n - 1, n))]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        num_decode_tokens=len(context_lens),
+        decode_block_tables=block_tables,
+        decode_context_lens=_i32(context_lens),
+        num_prefill_tokens=0,
+        prefill_block_tables=torch.zeros((0, block_tables.shape[1]), dtype=torch.int32),
+        prefill_query_start_loc=_i32([0]),
+        prefill_context_lens=_i32([]),
+    )
+
+
+def load_ours(model_dir, parallel: ParallelContext | None = None):
+    config = ModelConfig.from_pretrained(model_dir)
+    model = load_model(
+        model_dir, config, torch.float32, "cpu", parallel or ParallelContext(), get_backend("torch")
+    )
+    return model, config
+
+
+def empty_kv_caches(model, num_blocks: int) -> list[torch.Tensor]:
+    shape = (2, model.kv_heads_per_rank, num_blocks, BLOCK_SIZE, model.head_dim)
+    return [torch.zeros(shape) for _ in range(model.num_layers)]
+
+
+@torch.inference_mode()
+def assert_prefill_then_decode_match_transformers(model_dir, hf_greedy) -> None:
+    ours, _ = load_ours(model_dir)
+    hf = hf_greedy.model(model_dir)
+    lens = [len(p) for p in PROMPTS]
+    block_tables = _block_tables(lens, extra_tokens=1)
+    kv_caches = empty_kv_caches(ours, block_tables.numel())
+
+    # Prefill: every prompt in one batch; logits at every position.
+    input_ids = torch.tensor([t for p in PROMPTS for t in p])
+    positions = torch.tensor([i for n in lens for i in range(n)])
+    hidden = ours(input_ids, positions, kv_caches, prefill_metadata(lens, block_tables))
+    logits = ours.compute_logits(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (sum(lens), hf.config.vocab_size)
+    expected = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+    # Decode: HF's greedy next token of every prompt, through the paged cache the prefill wrote.
+    next_tokens = [int(expected[end - 1].argmax()) for end in torch.tensor(lens).cumsum(0).tolist()]
+    hidden = ours(
+        torch.tensor(next_tokens),
+        torch.tensor(lens),
+        kv_caches,
+        decode_metadata([n + 1 for n in lens], block_tables),
+    )
+    decode_logits = ours.compute_logits(hidden)
+    expected_decode = torch.stack(
+        [hf(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(PROMPTS, next_tokens)]
+    )
+    torch.testing.assert_close(decode_logits, expected_decode, atol=1e-5, rtol=1e-5)
+    # The oracle's choices differ across prompts: the comparison is not between constant outputs.
+    assert len(set(next_tokens)) > 1
+
+
+def test_llama_gqa_prefill_and_decode_logits_match_transformers(tiny_llama_gqa_dir, hf_greedy):
+    config = ModelConfig.from_pretrained(tiny_llama_gqa_dir)
+    assert config.num_key_value_heads < config.num_attention_heads and not config.tie_word_embeddings
+    assert_prefill_then_decode_match_transformers(tiny_llama_gqa_dir, hf_greedy)
+
+
+def test_llama3_rope_scaling_logits_match_transformers(tiny_llama3_rope_dir, hf_greedy):
+    assert ModelConfig.from_pretrained(tiny_llama3_rope_dir).rope_scaling["rope_type"] == "llama3"
+    assert_prefill_then_decode_match_transformers(tiny_llama3_rope_dir, hf_greedy)
+
+
+def test_qwen2_with_qkv_bias_and_tied_embeddings_matches_transformers(tiny_qwen2_dir, hf_greedy):
+    config = ModelConfig.from_pretrained(tiny_qwen2_dir)
+    assert config.attention_bias and config.tie_word_embeddings
+    assert_prefill_then_decode_match_transformers(tiny_qwen2_dir, hf_greedy)
+
+
+def test_rotary_cache_is_a_float32_buffer_on_the_model_device(tiny_llama_dir):
+    model, config = load_ours(tiny_llama_dir)
+    assert "cos_sin_cache" in dict(model.named_buffers())
+    assert "cos_sin_cache" not in dict(model.named_parameters())
+    assert model.cos_sin_cache.dtype == torch.float32
+    assert model.cos_sin_cache.shape == (config.max_position_embeddings, config.head_dim)
+
+
+# ---------------------------------------------------------------- tensor-parallel weight shards
+# Each rank's layer is built alone with ParallelContext(rank, tp): no process group is needed to
+# check that its weight_loader cuts the right shard of the full checkpoint tensor.
+
+HIDDEN, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS = 8, 2, 4, 2
+
+
+def _ranks(tp: int) -> list[ParallelContext]:
+    return [ParallelContext(rank=r, world_size=tp) for r in range(tp)]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_qkv_shards_split_query_heads_and_split_or_replicate_kv_heads(tp):
+    q = torch.randn(NUM_HEADS * HEAD_DIM, HIDDEN)
+    k = torch.randn(NUM_KV_HEADS * HEAD_DIM, HIDDEN)
+    v = torch.randn(NUM_KV_HEADS * HEAD_DIM, HIDDEN)
+    q_bias, k_bias, v_bias = torch.randn(len(q)), torch.randn(len(k)), torch.randn(len(v))
+    shards = []
+    for parallel in _ranks(tp):
+        layer = QKVParallelLinear(HIDDEN, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, parallel, bias=True)
+        for full, full_bias, shard_id in ((q, q_bias, "q"), (k, k_bias, "k"), (v, v_bias, "v")):
+            layer.weight.weight_loader(layer.weight, full, shard_id)
+            layer.bias.weight_loader(layer.bias, full_bias, shard_id)
+        shards.append((layer, *layer.weight.split([layer.q_size, layer.kv_size, layer.kv_size])))
+
+    assert torch.equal(torch.cat([s[1] for s in shards]), q)
+    assert torch.equal(torch.cat([s[0].split(s[0].bias)[0] for s in shards]), q_bias)
+    kv_per_rank = max(NUM_KV_HEADS // tp, 1)
+    for rank, (layer, _, k_shard, v_shard) in enumerate(shards):
+        assert layer.kv_heads_per_rank == kv_per_rank
+        # tp=4 > 2 KV heads: ranks 0,1 hold KV head 0 and ranks 2,3 hold KV head 1.
+        first = rank * NUM_KV_HEADS // tp
+        rows = slice(first * HEAD_DIM, (first + kv_per_rank) * HEAD_DIM)
+        assert torch.equal(k_shard, k[rows]) and torch.equal(v_shard, v[rows])
+        assert torch.equal(layer.split(layer.bias)[1], k_bias[rows])
+    if tp == 4:
+        assert torch.equal(shards[0][2], shards[1][2]) and not torch.equal(shards[1][2], shards[2][2])
+    else:
+        assert torch.equal(torch.cat([s[2] for s in shards]), k)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_merged_gate_up_shard_is_gate_shard_then_up_shard(tp):
+    inter = 8
+    gate, up = torch.randn(inter, HIDDEN), torch.randn(inter, HIDDEN)
+    gates, ups = [], []
+    for parallel in _ranks(tp):
+        layer = MergedColumnParallelLinear(HIDDEN, [inter, inter], parallel)
+        layer.weight.weight_loader(layer.weight, gate, 0)
+        layer.weight.weight_loader(layer.weight, up, 1)
+        gate_shard, up_shard = layer.weight.chunk(2)
+        gates.append(gate_shard)
+        ups.append(up_shard)
+    assert torch.equal(torch.cat(gates), gate) and torch.equal(torch.cat(ups), up)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_column_then_row_parallel_sum_to_the_full_product(tp):
+    x = torch.randn(3, HIDDEN)
+    w_col, w_row, b_row = torch.randn(16, HIDDEN), torch.randn(HIDDEN, 16), torch.randn(HIDDEN)
+    partial_sums = []
+    for parallel in _ranks(tp):
+        col = ColumnParallelLinear(HIDDEN, 16, parallel)
+        col.weight.weight_loader(col.weight, w_col)
+        row = RowParallelLinear(16, HIDDEN, parallel, bias=True)
+        row.weight.weight_loader(row.weight, w_row)
+        row.bias.weight_loader(row.bias, b_row)
+        assert torch.equal(row.bias, b_row)  # every rank holds the whole bias, added once after the reduce
+        partial_sums.append(F.linear(col(x), row.weight))  # what each rank contributes to the all-reduce
+    expected = F.linear(F.linear(x, w_col), w_row, b_row)
+    torch.testing.assert_close(torch.stack(partial_sums).sum(0) + b_row, expected)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_is_padded_to_a_multiple_of_tp_and_logits_trimmed(tp):
+    vocab = 10  # tp=4 pads to 12: ranks own 3 ids each, rank 3 owns id 9 and two zero rows
+    embedding = torch.randn(vocab, HIDDEN)
+    hidden = torch.randn(2, HIDDEN)
+    real_rows, local_logits = [], []
+    for parallel in _ranks(tp):
+        head = ParallelLMHead(vocab, HIDDEN, parallel)
+        head.weight.weight_loader(head.weight, embedding)
+        assert head.padded_vocab_size % tp == 0 and head.padded_vocab_size >= vocab
+        owned = head.vocab_end - head.vocab_start
+        assert not head.weight[owned:].any()  # padding rows are zero
+        real_rows.append(head.weight[:owned])
+        local_logits.append(F.linear(hidden, head.weight))
+    assert torch.equal(torch.cat(real_rows), embedding)
+    gathered = torch.cat(local_logits, dim=-1)[:, :vocab]  # what all_gather + trim produce
+    torch.testing.assert_close(gathered, hidden @ embedding.T)
+
+
+def test_vocab_parallel_embedding_at_tp1_is_a_plain_lookup():
+    embedding = torch.randn(10, HIDDEN)
+    layer = VocabParallelEmbedding(10, HIDDEN, ParallelContext())
+    layer.weight.weight_loader(layer.weight, embedding)
+    ids = torch.tensor([0, 9, 3])
+    assert torch.equal(layer(ids), embedding[ids])
