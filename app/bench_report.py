@@ -278,7 +278,13 @@ def plot(path: str, summaries: Sequence[RunSummary], title: str | None = None) -
     xlabel = "request rate (req/s)" if rate_mode else "concurrency"
     ax_tp.set(xlabel=xlabel, ylabel="output throughput (tok/s)", title="Throughput (higher is better)")
     ax_ttft.set(xlabel=xlabel, ylabel="TTFT p95 (ms)", title="TTFT p95 (lower is better)")
+    xs = sorted({x_of(s) for s in by_load.values() if x_of(s)})
     for ax in (ax_tp, ax_ttft):
+        if len(xs) > 1 and xs[-1] / xs[0] >= 8:
+            ax.set_xscale("log")  # 1, 10, 50, 100 spread evenly
+        if xs:
+            ax.set_xticks(xs, [f"{x:g}" for x in xs])
+            ax.minorticks_off()
         ax.grid(True, alpha=0.3)
         ax.set_ylim(bottom=0)
         ax.legend()

