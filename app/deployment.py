@@ -86,6 +86,7 @@ class LLMServer:
         from engine import AsyncLLMEngine  # imported here: loading torch is the replica's business
 
         _configure_logging()
+        _keep_replica_grpc_on_loopback()
         self.args = ServeArgs.model_validate(args)
         model_dir = self.args.model
         if model_dir is None:
@@ -124,6 +125,26 @@ def build_app(args: ServeArgs) -> Application:
     if not isinstance(args, ServeArgs):
         args = ServeArgs.model_validate(args)
     return LLMServer.options(**deployment_options(args)).bind(args.model_dump())
+
+
+def _keep_replica_grpc_on_loopback() -> None:
+    """Ray Serve 2.60 starts each replica's inter-deployment gRPC server on "[::]:0" (every interface) even
+    when Ray itself is loopback-only. On a loopback-only node, bind it to 127.0.0.1 like every other Ray port.
+    This runs in the constructor, before Serve starts that server."""
+    import ray
+    from ray.serve._private import replica as serve_replica
+
+    if ray.util.get_node_ip_address() != "127.0.0.1" or not hasattr(serve_replica, "add_port_to_grpc_server"):
+        return
+    add_port = serve_replica.add_port_to_grpc_server
+    if getattr(add_port, "_shardserve_loopback", False):
+        return
+
+    def add_port_on_loopback(server, address: str):
+        return add_port(server, address.replace("[::]", "127.0.0.1"))
+
+    add_port_on_loopback._shardserve_loopback = True
+    serve_replica.add_port_to_grpc_server = add_port_on_loopback
 
 
 def _configure_logging() -> None:
