@@ -91,37 +91,45 @@ def empty_kv_caches(model, num_blocks: int) -> list[torch.Tensor]:
 
 
 @torch.inference_mode()
-def assert_prefill_then_decode_match_transformers(model_dir, hf_greedy) -> None:
-    ours, _ = load_ours(model_dir)
+def transformers_reference(model_dir, hf_greedy) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """HF's logits at every prompt position, its greedy next token per prompt, and the logits
+    after that token: ([sum(lens), vocab], [num_prompts], [num_prompts, vocab])."""
     hf = hf_greedy.model(model_dir)
-    lens = [len(p) for p in PROMPTS]
-    block_tables = _block_tables(lens, extra_tokens=1)
-    kv_caches = empty_kv_caches(ours, block_tables.numel())
-
-    # Prefill: every prompt in one batch; logits at every position.
-    input_ids = torch.tensor([t for p in PROMPTS for t in p])
-    positions = torch.tensor([i for n in lens for i in range(n)])
-    hidden = ours(input_ids, positions, kv_caches, prefill_metadata(lens, block_tables))
-    logits = ours.compute_logits(hidden)
-    assert logits.dtype == torch.float32 and logits.shape == (sum(lens), hf.config.vocab_size)
-    expected = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
-
-    # Decode: HF's greedy next token of every prompt, through the paged cache the prefill wrote.
-    next_tokens = [int(expected[end - 1].argmax()) for end in torch.tensor(lens).cumsum(0).tolist()]
-    hidden = ours(
-        torch.tensor(next_tokens),
-        torch.tensor(lens),
-        kv_caches,
-        decode_metadata([n + 1 for n in lens], block_tables),
-    )
-    decode_logits = ours.compute_logits(hidden)
-    expected_decode = torch.stack(
+    prefill_logits = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
+    ends = torch.tensor([len(p) for p in PROMPTS]).cumsum(0).tolist()
+    next_tokens = [int(prefill_logits[end - 1].argmax()) for end in ends]
+    decode_logits = torch.stack(
         [hf(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(PROMPTS, next_tokens)]
     )
-    torch.testing.assert_close(decode_logits, expected_decode, atol=1e-5, rtol=1e-5)
     # The oracle's choices differ across prompts: the comparison is not between constant outputs.
     assert len(set(next_tokens)) > 1
+    return prefill_logits, next_tokens, decode_logits
+
+
+@torch.inference_mode()
+def prefill_then_decode(model, next_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our logits: PROMPTS prefilled in one batch, then one decode step of `next_tokens` through
+    the paged cache the prefill wrote."""
+    lens = [len(p) for p in PROMPTS]
+    block_tables = _block_tables(lens, extra_tokens=1)
+    kv_caches = empty_kv_caches(model, block_tables.numel())
+    input_ids = torch.tensor([t for p in PROMPTS for t in p])
+    positions = torch.tensor([i for n in lens for i in range(n)])
+    hidden = model(input_ids, positions, kv_caches, prefill_metadata(lens, block_tables))
+    prefill_logits = model.compute_logits(hidden)
+    decode_meta = decode_metadata([n + 1 for n in lens], block_tables)
+    hidden = model(torch.tensor(next_tokens), torch.tensor(lens), kv_caches, decode_meta)
+    return prefill_logits, model.compute_logits(hidden)
+
+
+def assert_prefill_then_decode_match_transformers(model_dir, hf_greedy) -> None:
+    expected_prefill, next_tokens, expected_decode = transformers_reference(model_dir, hf_greedy)
+    ours, config = load_ours(model_dir)
+    prefill_logits, decode_logits = prefill_then_decode(ours, next_tokens)
+    assert prefill_logits.dtype == torch.float32 and prefill_logits.shape == expected_prefill.shape
+    assert prefill_logits.shape[1] == config.vocab_size
+    torch.testing.assert_close(prefill_logits, expected_prefill, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decode_logits, expected_decode, atol=1e-5, rtol=1e-5)
 
 
 def test_llama_gqa_prefill_and_decode_logits_match_transformers(tiny_llama_gqa_dir, hf_greedy):
@@ -247,3 +255,43 @@ def test_vocab_parallel_embedding_at_tp1_is_a_plain_lookup():
     layer.weight.weight_loader(layer.weight, embedding)
     ids = torch.tensor([0, 9, 3])
     assert torch.equal(layer(ids), embedding[ids])
+
+
+# ---------------------------------------------------------------- tensor parallelism over gloo
+
+
+def _tp_rank(rank: int, tp: int, model_dir: str, next_tokens: list[int], store: str, out: str) -> None:
+    """One rank of a tensor-parallel group (a spawned process): rank 0 saves the logits."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo otherwise connects over the host's interface address
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp)
+    try:
+        model, _ = load_ours(model_dir, ParallelContext(rank=rank, world_size=tp, group=dist.group.WORLD))
+        logits = prefill_then_decode(model, next_tokens)
+        if rank == 0:
+            torch.save(logits, out)
+    finally:
+        dist.destroy_process_group()
+
+
+# Each rank is a spawned process (a few seconds to import torch): two cases cover KV-head
+# replication (tp 4 > 2 KV heads) and sharded qkv bias plus a tied, vocab-parallel head.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arch", "tp"), [("llama", 4), ("qwen2", 2)], ids=["llama-tp4-replicated-kv", "qwen2-tp2-tied"]
+)
+def test_tensor_parallel_logits_match_transformers(arch, tp, request, hf_greedy, tmp_path):
+    import torch.multiprocessing as mp
+
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    expected_prefill, next_tokens, expected_decode = transformers_reference(model_dir, hf_greedy)
+    out = tmp_path / "logits.pt"
+    mp.spawn(_tp_rank, args=(tp, str(model_dir), next_tokens, str(tmp_path / "store"), str(out)), nprocs=tp)
+    prefill_logits, decode_logits = torch.load(out)
+    # Partial sums are reduced in another order than one matmul adds them: float32 rounding.
+    torch.testing.assert_close(prefill_logits, expected_prefill, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(decode_logits, expected_decode, atol=1e-4, rtol=1e-4)
