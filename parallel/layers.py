@@ -69,7 +69,7 @@ def _split_evenly(size: int, world_size: int, what: str) -> int:
     return size // world_size
 
 
-class _RowShardedOutput(nn.Module):
+class _OutputShardedLinear(nn.Module):
     """Base of the column-parallel layers: weight [out_per_rank, in], optional bias [out_per_rank]."""
 
     def __init__(self, input_size: int, out_per_rank: int, bias: bool, dtype: torch.dtype | None):
@@ -96,7 +96,7 @@ class _RowShardedOutput(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class ColumnParallelLinear(_RowShardedOutput):
+class ColumnParallelLinear(_OutputShardedLinear):
     """y = x W^T + b with W's output rows split across ranks; each rank returns its slice of y."""
 
     def __init__(
@@ -118,7 +118,7 @@ class ColumnParallelLinear(_RowShardedOutput):
         self._load_rows(param, loaded_weight, self.output_size, start, 0, self.out_per_rank)
 
 
-class MergedColumnParallelLinear(_RowShardedOutput):
+class MergedColumnParallelLinear(_OutputShardedLinear):
     """Several column-parallel linears sharing one input, fused: per rank [shard_0 || shard_1 || ...].
 
     The gated MLP fuses gate_proj (shard_id 0) and up_proj (shard_id 1).
@@ -149,7 +149,7 @@ class MergedColumnParallelLinear(_RowShardedOutput):
         self._load_rows(param, loaded_weight, self.output_sizes[shard_id], src_start, dst_start, rows)
 
 
-class QKVParallelLinear(_RowShardedOutput):
+class QKVParallelLinear(_OutputShardedLinear):
     """q_proj, k_proj and v_proj fused; each rank holds whole heads: per rank [q || k || v].
 
     Query heads split evenly. KV heads split evenly when there are at least as many as ranks;
