@@ -1,0 +1,1 @@
+"""Operations tooling: Terraform modules, KubeRay manifests and their offline checks."""

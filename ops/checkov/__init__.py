@@ -1,0 +1,1 @@
+"""Custom checkov policies for shardserve's GPU rules (loaded with --external-checks-dir ops/checkov)."""

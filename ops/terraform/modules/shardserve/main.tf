@@ -1,0 +1,191 @@
+# shardserve as a KubeRay RayService. One Serve replica = one GPU worker pod with
+# tensor_parallel_size GPUs: the replica's placement group ({"GPU": 1} x TP, STRICT_PACK) fits
+# exactly in that pod, so the Ray autoscaler adds a pod per replica Serve asks for, and the
+# cluster autoscaler adds a GPU node when that pod cannot be placed.
+#
+# The RayService CRD comes from the KubeRay operator (module gpu-cluster): kubernetes_manifest
+# needs it at plan time, hence the two-step apply in docs/OPERATIONS.md.
+
+locals {
+  # ServeArgs (app/config.py) for the application; `python -m ops.check` validates it.
+  serve_args = {
+    model                  = var.model_path
+    served_model_name      = var.served_model_name
+    tensor_parallel_size   = var.tensor_parallel_size
+    dtype                  = var.dtype
+    device                 = "cuda"
+    max_model_len          = var.max_model_len
+    max_num_seqs           = var.max_num_seqs
+    max_num_batched_tokens = var.max_num_batched_tokens
+    gpu_memory_utilization = var.gpu_memory_utilization
+    enable_prefix_caching  = var.enable_prefix_caching
+    min_replicas           = var.min_replicas
+    max_replicas           = var.max_replicas
+    target_queue_depth     = var.target_queue_depth
+    upscale_delay_s        = var.upscale_delay_s
+    downscale_delay_s      = var.downscale_delay_s
+    port                   = 8000
+    otlp_traces_endpoint   = var.otlp_traces_endpoint
+  }
+
+  serve_config = {
+    proxy_location = "EveryNode"
+    http_options   = { host = "0.0.0.0", port = 8000 }
+    applications = [{
+      name         = "shardserve"
+      route_prefix = "/"
+      import_path  = "app.deployment:build_app"
+      args         = local.serve_args
+    }]
+  }
+
+  prometheus_annotations = {
+    "prometheus.io/scrape" = "true"
+    "prometheus.io/port"   = "8000"
+    "prometheus.io/path"   = "/metrics"
+  }
+
+  pod_env = [
+    { name = "HF_HUB_OFFLINE", value = "1" },
+    { name = "TRANSFORMERS_OFFLINE", value = "1" },
+    { name = "OTEL_SERVICE_NAME", value = var.name },
+  ]
+
+  model_volumes = concat(
+    var.model_pvc_claim_name == null ? [] : [
+      { name = "models", persistentVolumeClaim = { claimName = var.model_pvc_claim_name, readOnly = true } },
+    ],
+    var.model_pvc_claim_name == null ? [{ name = "models", emptyDir = {} }] : [],
+  )
+
+  model_init_containers = var.model_s3_uri == null ? [] : [{
+    name         = "fetch-model"
+    image        = var.model_sync_image
+    command      = ["aws", "s3", "sync", "--only-show-errors", var.model_s3_uri, var.model_path]
+    volumeMounts = [{ name = "models", mountPath = "/models" }]
+  }]
+}
+
+resource "kubernetes_namespace" "this" {
+  metadata {
+    name = var.namespace
+  }
+}
+
+resource "kubernetes_service_account" "ray" {
+  metadata {
+    name        = "${var.name}-ray"
+    namespace   = kubernetes_namespace.this.metadata[0].name
+    annotations = var.model_reader_role_arn == null ? {} : { "eks.amazonaws.com/role-arn" = var.model_reader_role_arn }
+  }
+}
+
+resource "kubernetes_manifest" "rayservice" {
+  manifest = {
+    apiVersion = "ray.io/v1"
+    kind       = "RayService"
+    metadata = {
+      name      = var.name
+      namespace = kubernetes_namespace.this.metadata[0].name
+    }
+    spec = {
+      serveConfigV2 = yamlencode(local.serve_config)
+
+      serveService = {
+        metadata = { name = "${var.name}-serve", annotations = var.service_annotations }
+        spec = {
+          type  = var.service_type
+          ports = [{ name = "serve", port = 8000, targetPort = 8000 }]
+        }
+      }
+
+      rayClusterConfig = {
+        enableInTreeAutoscaling = true
+        autoscalerOptions = {
+          upscalingMode      = "Default"
+          idleTimeoutSeconds = var.worker_idle_timeout_s
+        }
+
+        headGroupSpec = {
+          # num-cpus 0: the head runs the Serve controller and a proxy, never a replica.
+          rayStartParams = { "num-cpus" = "0", "dashboard-host" = "0.0.0.0" }
+          template = {
+            metadata = { annotations = local.prometheus_annotations }
+            spec = {
+              serviceAccountName = kubernetes_service_account.ray.metadata[0].name
+              nodeSelector       = { "shardserve.io/role" = "system" }
+              containers = [{
+                name  = "ray-head"
+                image = var.image
+                env   = local.pod_env
+                ports = [
+                  { name = "gcs", containerPort = 6379 },
+                  { name = "dashboard", containerPort = 8265 },
+                  { name = "client", containerPort = 10001 },
+                  { name = "serve", containerPort = 8000 },
+                ]
+                resources = {
+                  requests = { cpu = var.head_cpu, memory = var.head_memory }
+                  limits   = { cpu = var.head_cpu, memory = var.head_memory }
+                }
+              }]
+            }
+          }
+        }
+
+        workerGroupSpecs = [{
+          groupName      = "gpu"
+          replicas       = var.min_replicas
+          minReplicas    = var.min_replicas
+          maxReplicas    = var.max_replicas
+          rayStartParams = {}
+          template = {
+            metadata = { annotations = local.prometheus_annotations }
+            spec = {
+              serviceAccountName = kubernetes_service_account.ray.metadata[0].name
+              nodeSelector       = { "shardserve.io/role" = "gpu" }
+              tolerations = [
+                { key = "nvidia.com/gpu", operator = "Exists", effect = "NoSchedule" },
+              ]
+              initContainers = local.model_init_containers
+              volumes = concat(local.model_volumes, [
+                { name = "dshm", emptyDir = { medium = "Memory" } },
+              ])
+              containers = [{
+                name  = "ray-worker"
+                image = var.image
+                env   = local.pod_env
+                ports = [{ name = "serve", containerPort = 8000 }]
+                resources = {
+                  requests = { cpu = var.worker_cpu, memory = var.worker_memory, "nvidia.com/gpu" = var.tensor_parallel_size }
+                  limits   = { cpu = var.worker_cpu, memory = var.worker_memory, "nvidia.com/gpu" = var.tensor_parallel_size }
+                }
+                volumeMounts = [
+                  { name = "models", mountPath = "/models", readOnly = var.model_s3_uri == null },
+                  { name = "dshm", mountPath = "/dev/shm" },
+                ]
+                readinessProbe = {
+                  httpGet             = { path = "/health", port = 8000 }
+                  initialDelaySeconds = 30
+                  periodSeconds       = 10
+                  failureThreshold    = 6
+                }
+              }]
+            }
+          }
+        }]
+      }
+    }
+  }
+
+  lifecycle {
+    precondition {
+      condition     = (var.model_pvc_claim_name == null) != (var.model_s3_uri == null)
+      error_message = "Set exactly one of model_pvc_claim_name and model_s3_uri."
+    }
+    precondition {
+      condition     = var.min_replicas <= var.max_replicas
+      error_message = "min_replicas must not exceed max_replicas."
+    }
+  }
+}
