@@ -78,16 +78,17 @@ def serve(args: ServeArgs) -> None:
 
     from app.deployment import build_app, served_model_name
 
+    scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from other machines"
+    logger.info("binding HTTP to %s:%d (%s); Ray ports listen on 127.0.0.1 only", args.host, args.port, scope)
+    # address="local": always a fresh cluster of our own, never one some other process started
+    ray.init(address="local", include_dashboard=False, num_cpus=_cluster_cpus(args), logging_level=logging.WARNING)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own SIGTERM handler
         signal.signal(sig, lambda *_: stop.set())
-    ray.init(include_dashboard=False, num_cpus=_cluster_cpus(args), logging_level=logging.WARNING)
     try:
         ray_serve.start(http_options={"host": args.host, "port": args.port})
         ray_serve.run(build_app(args), name="shardserve", route_prefix="/")
-        scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from the network"
-        logger.info("serving %r at http://%s:%d/v1 (bound to %s; %s)", served_model_name(args), args.host,
-                    args.port, args.host, scope)
+        logger.info("serving %r at http://%s:%d/v1 (Ctrl-C to stop)", served_model_name(args), args.host, args.port)
         stop.wait()
         logger.info("shutting down")
     finally:

@@ -1,0 +1,92 @@
+"""configs/serve.yaml, the CLI and build_app describe one application (no Ray needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from app.autoscaling import METRICS_INTERVAL_S, QUEUE_DEPTH_METRIC, QueueDepthPolicy
+from app.cli import build_parser, serve_args_from
+from app.config import ServeArgs
+from app.deployment import deployment_options, max_ongoing_requests, placement_group_bundles
+
+SERVE_YAML = Path(__file__).resolve().parents[2] / "configs" / "serve.yaml"
+
+
+def cli_args(*flags: str) -> ServeArgs:
+    return serve_args_from(build_parser().parse_args(["serve", *flags]))
+
+
+def test_serve_yaml_is_a_valid_serve_config_of_the_cli_default_app():
+    config = ServeDeploySchema.model_validate(yaml.safe_load(SERVE_YAML.read_text()))
+    [application] = config.applications
+    assert application.import_path == "app.deployment:build_app"
+    args = ServeArgs.model_validate(application.args)
+    assert args.model_dump() == cli_args().model_dump()
+    assert (config.http_options.host, config.http_options.port) == (args.host, args.port) == ("127.0.0.1", 8000)
+
+
+def test_cli_flags_use_vllm_spelling():
+    args = cli_args("--model", "/m", "--tensor-parallel-size", "2", "--max-num-seqs", "4", "--max-model-len", "128",
+                    "--enable-prefix-caching", "--served-model-name", "x", "--api-key", "k", "--port", "9000",
+                    "--min-replicas", "1", "--max-replicas", "3", "--target-queue-depth", "5",
+                    "--max-waiting-requests", "7", "--dtype", "float32")
+    assert (args.model, args.tensor_parallel_size, args.max_num_seqs, args.max_model_len) == ("/m", 2, 4, 128)
+    assert args.enable_prefix_caching and args.served_model_name == "x" and args.api_key == "k"
+    assert (args.port, args.min_replicas, args.max_replicas, args.target_queue_depth) == (9000, 1, 3, 5.0)
+    assert args.max_waiting_requests == 7 and args.dtype == "float32"
+    assert not cli_args("--no-enable-prefix-caching").enable_prefix_caching
+    assert cli_args().host == "127.0.0.1"
+    with pytest.raises(SystemExit):
+        cli_args("--dtype", "float64")
+
+
+def test_each_replica_asks_for_one_strict_pack_bundle_per_tp_rank():
+    args = ServeArgs(tensor_parallel_size=2, cpus_per_rank=0.5, device="cpu")
+    assert placement_group_bundles(args) == [{"CPU": 0.5}, {"CPU": 0.5}]
+    assert placement_group_bundles(ServeArgs(tensor_parallel_size=4, device="cuda")) == [{"CPU": 1.0, "GPU": 1}] * 4
+    options = deployment_options(args)
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["ray_actor_options"] == {"num_cpus": 0.5}  # the replica itself lives in bundle 0
+
+
+def test_max_ongoing_requests_follows_the_engine_batch():
+    assert max_ongoing_requests(ServeArgs(max_num_seqs=64)) == 72
+    assert max_ongoing_requests(ServeArgs(max_num_seqs=2)) == 4
+    assert max_ongoing_requests(ServeArgs(max_ongoing_requests=3)) == 3
+
+
+def test_autoscaling_config_is_used_unless_replicas_are_fixed():
+    scaled = deployment_options(ServeArgs(min_replicas=1, max_replicas=4, target_queue_depth=3))
+    config = scaled["autoscaling_config"]
+    assert (config["min_replicas"], config["max_replicas"]) == (1, 4)
+    assert config["metrics_interval_s"] == METRICS_INTERVAL_S <= 0.5
+    assert config["policy"]["policy_kwargs"] == {"target_queue_depth": 3}
+    fixed = deployment_options(ServeArgs(num_replicas=2))
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+
+
+class Ctx:
+    def __init__(self, depths, queued=0, total=0, min_replicas=1, max_replicas=4):
+        self.aggregated_metrics = {QUEUE_DEPTH_METRIC: dict(enumerate(depths))} if depths is not None else {}
+        self.total_queued_requests = queued
+        self.total_num_requests = total
+        self.capacity_adjusted_min_replicas = min_replicas
+        self.capacity_adjusted_max_replicas = max_replicas
+
+
+@pytest.mark.parametrize(("ctx", "desired"), [
+    (Ctx([0.0]), 1),                       # idle: min_replicas
+    (Ctx([8.0]), 2),                       # 8 deep at target 4: two replicas
+    (Ctx([4.0, 4.0], queued=5), 4),        # router-queued requests count too
+    (Ctx([40.0]), 4),                      # capped at max_replicas
+    (Ctx([0.0, 0.0], min_replicas=0), 0),  # scale to zero when allowed
+    (Ctx(None, total=9), 3),               # before any replica reports: Serve's request count
+])
+def test_policy_wants_queue_depth_over_target_replicas(ctx, desired):
+    replicas, state = QueueDepthPolicy(target_queue_depth=4)(ctx)
+    assert replicas == desired
+    assert "queue_depth" in state
