@@ -1,4 +1,7 @@
-"""Fixtures for the ops checks: a scratch copy of the ops tree to plant one mistake in."""
+"""Fixtures for the ops checks: a scratch copy of the ops tree to plant one mistake in.
+
+Also puts the repository root on sys.path: `ops` is not part of the installed distribution.
+"""
 
 from __future__ import annotations
 

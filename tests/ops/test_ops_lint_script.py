@@ -7,12 +7,13 @@ are few; the project rules have their own fast tests.
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
-from conftest import REPO
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "ops" / "lint-ops.sh"
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from conftest import REPO, OpsTree
+from pathlib import Path
 
 from ops.check.project import check_project
+
+REPO = Path(__file__).resolve().parents[2]
 
 SHARDSERVE = "ops/terraform/modules/shardserve/main.tf"
 GPU_CLUSTER = "ops/terraform/modules/gpu-cluster/main.tf"
@@ -12,7 +14,7 @@ TP2 = "ops/terraform/examples/aws-tp2"
 RAYSERVICE_YAML = "configs/rayservice.yaml"
 
 
-def findings_of(tree: OpsTree):
+def findings_of(tree):
     return check_project(tree.root)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import conftest  # noqa: F401  (puts the repository on sys.path)
-
 from ops.check.checkov_report import judge
 from ops.check.hcl import Call, Ref, Template, parse_value, references
 
