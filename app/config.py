@@ -27,7 +27,7 @@ class ServeArgs(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_memory_gb: float | None = Field(None, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space: float = Field(4.0, ge=0)
     seed: int = 0

@@ -113,7 +113,7 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     seed: int = 0
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space: float = Field(4.0, ge=0)
     tensor_parallel_size: int = Field(1, ge=1)

@@ -36,7 +36,14 @@ class LLMEngine:
                 f"{config.block_size}), fewer than max_model_len ({self.max_model_len}): give it more memory "
                 f"(num_kv_blocks / kv_cache_memory_gb) or lower max_model_len"
             )
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark)
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            config.watermark,
+            enable_prefix_caching=config.enable_prefix_caching,
+            # 0 (swap preemption falls back to recompute) for an executor without a host pool
+            num_host_blocks=getattr(self.executor, "num_host_blocks", 0),
+        )
         self.scheduler = Scheduler(config, self.block_manager)
         self.detokenizer = Detokenizer(self.tokenizer)
         eos = self.model_config.eos_token_ids or (
@@ -114,14 +121,23 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, sample, and return a delta for every request that advanced."""
+        self._release_swapped_out(getattr(self.executor, "poll_swap_outs", list)())
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if sched.has_swaps:  # e.g. the only running sequence swapped itself out
+                self.executor.execute_model(prepare_step(sched, self.config.block_size))
+            elif self.block_manager.swap_outs_in_flight:  # nothing can run until a copy lands
+                self._release_swapped_out(self.executor.wait_swap_outs())
             return []
         self.num_steps += 1
         if sched.decodes and sched.prefills:
             self.num_mixed_steps += 1
         logits = self.executor.execute_model(prepare_step(sched, self.config.block_size))
         return self._process(sched, logits)
+
+    def _release_swapped_out(self, tickets: list[int]) -> None:
+        for ticket in tickets:
+            self.block_manager.complete_swap_out(ticket)
 
     def _process(self, sched: SchedulerOutput, logits) -> list[RequestOutput]:
         to_sample: list[Sequence] = []
@@ -200,12 +216,15 @@ class LLMEngine:
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
-            num_swapped=0,
+            num_swapped=len(self.scheduler.swapped),
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_blocks,
             kv_cache_usage=self.block_manager.usage,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            num_preemptions_by_mode=dict(self.scheduler.num_preemptions_by_mode),
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
         )
 
     def shutdown(self) -> None:

@@ -6,7 +6,7 @@ other ranks under tensor parallelism); `execute_model()` runs on every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,6 +28,10 @@ class StepInput:
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [num_sampled] int64: rows of the batch whose logits are needed
+    # KV block copies every rank makes before the forward pass (engine/swap.py)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    swap_out_ticket: int | None = None
 
     def to(self, device: torch.device) -> StepInput:
         if device.type == "cpu":
@@ -43,6 +47,9 @@ class StepInput:
             self.positions.to(device, non_blocking=True),
             meta,
             self.sample_indices.to(device, non_blocking=True),
+            self.swap_out,
+            self.swap_in,
+            self.swap_out_ticket,
         )
 
 
@@ -99,6 +106,9 @@ def prepare_step(sched: SchedulerOutput, block_size: int) -> StepInput:
         positions=torch.from_numpy(np.concatenate([d_pos, p_pos])),
         meta=meta,
         sample_indices=torch.tensor(sample_indices, dtype=torch.int64),
+        swap_out=sched.swap_out,
+        swap_in=sched.swap_in,
+        swap_out_ticket=sched.swap_out_ticket,
     )
 
 
@@ -136,6 +146,13 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_config.num_hidden_layers)
         ]
+        self.swapper = None  # swap preemption's host block pool (engine/swap.py)
+        per_block = kv_bytes_per_block(model_config, config.block_size, self.dtype, self.model.kv_heads_per_rank)
+        self.num_host_blocks = int(config.swap_space * 2**30) // per_block if config.preemption_mode == "swap" else 0
+        if self.num_host_blocks:
+            from engine.swap import KVSwapper
+
+            self.swapper = KVSwapper(self.kv_caches, self.num_host_blocks, self.device)
 
     def profile_num_blocks(self, max_model_len: int) -> int:
         """How many KV blocks this rank can hold under the configured memory budget."""
@@ -157,8 +174,22 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, step: StepInput) -> torch.Tensor | None:
         """One forward pass; returns [num_sampled, vocab] float32 logits, or None if nothing is sampled."""
+        if self.swapper is not None:
+            self.swapper.before_step(
+                step.swap_out, step.swap_in, step.swap_out_ticket, step.meta.slot_mapping, self.config.block_size
+            )
+        if step.input_ids.numel() == 0:
+            return None  # a step of swap copies only
         step = step.to(self.device)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         if step.sample_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, step.sample_indices))
+
+    def poll_swap_outs(self) -> list[int]:
+        """Tickets of swap-outs finished since the last poll; their device blocks may be reused."""
+        return self.swapper.poll() if self.swapper is not None else []
+
+    def wait_swap_outs(self) -> list[int]:
+        """Block until every swap-out in flight finished (when nothing else can run); their tickets."""
+        return self.swapper.wait_all() if self.swapper is not None else []

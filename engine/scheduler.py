@@ -4,8 +4,13 @@ There are no prefill and decode phases. Each step hands out at most `max_num_bat
 tokens: first to RUNNING sequences in admission order (a decode needs one token; a sequence
 still working through its prompt takes a chunk), then to WAITING sequences in arrival order,
 whose prompts are split across steps when the budget is short. When the block pool cannot
-hold a running sequence's next tokens, the newest running sequence is preempted: its blocks
-are freed and it returns to the front of WAITING to be recomputed later.
+hold a running sequence's next tokens, the newest running sequence is preempted: either its
+blocks are freed and it returns to the front of WAITING to be recomputed later ("recompute"),
+or they are copied to host blocks and it waits in SWAPPED ("swap"; recompute when the host pool
+is full). SWAPPED sequences come back, without recomputing, before any new prompt is admitted.
+
+With prefix caching, a sequence leaving WAITING starts with every cached block of its longest
+cached prefix: those tokens count as computed and its prefill starts after them.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ class SchedulerOutput:
     decodes: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # KV block copies the runner makes before this step's forward pass (block ids on every rank)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    swap_out_ticket: int | None = None  # names this step's swap-outs when the runner reports them done
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -48,7 +57,12 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """No tokens to compute (there may still be swap copies to start)."""
         return not self.decodes and not self.prefills
+
+    @property
+    def has_swaps(self) -> bool:
+        return bool(self.swap_out or self.swap_in)
 
 
 class Scheduler:
@@ -56,53 +70,101 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.chunked_prefill = config.enable_chunked_prefill
+        self.preemption_mode = config.preemption_mode
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
-        self.num_preemptions = 0
+        self.swapped: deque[Sequence] = deque()  # swapped in from the front
+        self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
+        self.prefix_cache_queries = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of those, tokens found cached
+        self.num_schedules = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.num_preemptions_by_mode.values())
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         now = time.time()
+        ticket = self.num_schedules
+        self.num_schedules += 1
+        manager = self.block_manager
 
         scheduled: list[ScheduledChunk] = []
+        pool_short = False
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(seq, num_tokens):
+            deferred = False
+            while not manager.allocate_slots(seq, num_tokens):
+                pool_short = True
+                if manager.num_new_blocks(seq, num_tokens) <= manager.num_free_blocks + manager.num_releasing_blocks:
+                    deferred = True  # swap-outs in flight will free enough: wait for them, preempt no one
+                    break
                 victim = self.running.pop()  # newest admitted; never one already scheduled
-                self._preempt(victim, now)
-                out.preempted.append(victim)
+                self._preempt(victim, now, out, ticket)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: nothing newer is left to schedule
+            index += 1
+            if deferred:
+                continue
             scheduled.append(ScheduledChunk(seq, num_tokens))
             budget -= num_tokens
-            index += 1
 
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            if remaining > budget and not self.chunked_prefill:
+        while self.swapped and budget > 0 and not pool_short and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            if not manager.swap_out_finished(seq):
+                break  # its copy to the host is still running
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            pairs = manager.swap_in(seq, num_tokens, admitting=bool(self.running))
+            if pairs is None:
                 break
-            num_tokens = min(remaining, budget)
-            # the watermark guards running sequences; with none running, admit whatever fits
-            if not self.block_manager.allocate_slots(seq, num_tokens, admitting=bool(self.running)):
-                break
-            self.waiting.popleft()
+            self.swapped.popleft()
+            out.swap_in.extend(pairs)
             self._admit(seq, now)
             scheduled.append(ScheduledChunk(seq, num_tokens))
             budget -= num_tokens
 
+        while (
+            self.waiting
+            and budget > 0
+            and not pool_short
+            and not self.swapped
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            cached = manager.cached_prefix(seq) if not seq.block_table else []
+            num_cached_tokens = len(cached) * manager.block_size
+            remaining = seq.num_tokens - seq.num_computed_tokens - num_cached_tokens
+            if remaining > budget and not self.chunked_prefill:
+                break
+            num_tokens = min(remaining, budget)
+            # the watermark guards running sequences; with none running, admit whatever fits
+            if not manager.allocate_slots(seq, num_tokens, admitting=bool(self.running), cached=cached):
+                break
+            self.waiting.popleft()
+            if manager.enable_prefix_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += num_cached_tokens
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.num_cached_tokens = num_cached_tokens
+            self._admit(seq, now)
+            scheduled.append(ScheduledChunk(seq, num_tokens))
+            budget -= num_tokens
+
+        if out.swap_out:
+            out.swap_out_ticket = ticket
         for chunk in scheduled:
             if chunk.num_tokens == 1 and not chunk.seq.is_prefilling and chunk.seq.num_output_tokens:
                 out.decodes.append(chunk)
@@ -121,14 +183,22 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def _preempt(self, seq: Sequence, now: float) -> None:
-        """Recompute preemption: drop the sequence's KV and queue it first in WAITING."""
-        self.block_manager.free(seq)
+    def _preempt(self, seq: Sequence, now: float, out: SchedulerOutput, ticket: int) -> None:
+        """Swap the sequence's KV to host blocks if asked and there is room, else drop it to recompute."""
+        manager = self.block_manager
+        out.preempted.append(seq)
+        seq.request.metrics.preemptions.append(now)
+        if self.preemption_mode == "swap" and manager.can_swap_out(seq):
+            out.swap_out.extend(manager.swap_out(seq, ticket))
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq)
+            self.num_preemptions_by_mode["swap"] += 1
+            return
+        manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        seq.request.metrics.preemptions.append(now)
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.num_preemptions_by_mode["recompute"] += 1
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Mark `seq` finished and return its blocks, wherever it is queued."""
@@ -136,5 +206,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.block_manager.free_host(seq)
         self.block_manager.free(seq)
         seq.finish(reason, stop_reason)

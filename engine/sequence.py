@@ -58,6 +58,13 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.block_table: list[int] = []
+        # prefix caching (engine/prefix_cache.py): hashes of the full blocks of token_ids, and how
+        # many leading entries of block_table the block manager has already offered to the cache
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        # swap preemption: the host blocks holding the KV while SWAPPED, and the copy that fills them
+        self.host_block_table: list[int] = []
+        self.swap_out_ticket: int | None = None
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
