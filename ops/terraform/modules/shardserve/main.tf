@@ -109,8 +109,9 @@ resource "kubernetes_manifest" "rayservice" {
         headGroupSpec = {
           # num-cpus 0: the head runs the Serve controller and a proxy, never a replica.
           rayStartParams = { "num-cpus" = "0", "dashboard-host" = "0.0.0.0" }
+          # No scrape annotations here: /metrics is per replica, and the head holds none (its
+          # proxy would answer with an arbitrary replica's numbers).
           template = {
-            metadata = { annotations = local.prometheus_annotations }
             spec = {
               serviceAccountName = kubernetes_service_account.ray.metadata[0].name
               nodeSelector       = { "shardserve.io/role" = "system" }
@@ -133,6 +134,8 @@ resource "kubernetes_manifest" "rayservice" {
           }
         }
 
+        # /metrics on a worker pod's port 8000 reaches the replica in that pod: Serve's proxy
+        # prefers replicas on its own node (RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING, default on).
         workerGroupSpecs = [{
           groupName      = "gpu"
           replicas       = var.min_replicas
