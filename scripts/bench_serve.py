@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         help="auto: bfloat16 where the CPU has AVX512-BF16/AMX, else float32",
     )
     parser.add_argument("--concurrency", default="1,10,50")
-    parser.add_argument("--num-prompts", default="30,150,400", help="per concurrency; ~5 min on 2 cores")
+    parser.add_argument("--num-prompts", default="20,100,250", help="per concurrency (~4 min on 2 quiet cores)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=4)
