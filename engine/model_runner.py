@@ -15,6 +15,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from kernels.backend import get_backend
+from parallel.comm import min_over_ranks
 from parallel.state import ParallelContext
 
 _CPU_DEFAULT_KV_GB = 2.0
@@ -140,7 +141,9 @@ class ModelRunner:
         self.model = load_model(
             config.model, model_config, self.dtype, self.device, self.parallel, self.backend
         )
-        self.num_blocks = num_blocks or self.profile_num_blocks(max_model_len or model_config.max_position_embeddings)
+        num_blocks = num_blocks or self.profile_num_blocks(max_model_len or model_config.max_position_embeddings)
+        # block ids are shared by every rank (one block manager): all hold the smallest rank's count
+        self.num_blocks = min_over_ranks(num_blocks, self.parallel)
         shape = (2, self.model.kv_heads_per_rank, self.num_blocks, config.block_size, model_config.head_dim)
         # zeroed: padding positions of gathered blocks must hold finite values (0 * NaN = NaN)
         self.kv_caches = [

@@ -1,0 +1,106 @@
+"""Tensor parallelism on CPU (gloo, local Ray): greedy tokens equal TP=1's and Hugging Face's, and
+each rank holds 1/tp of the weights and KV cache plus what must be replicated."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import SamplingParams
+from engine.llm_engine import LLM
+from parallel.workers import measure_memory
+
+MAX_TOKENS = 20
+# Small budget and cache: prompts are prefilled in chunks of 16 tokens beside running decodes, and
+# 4 sequences of up to 70 tokens (9 blocks of 8 each) cannot all fit in 16 blocks, so the
+# scheduler preempts and recomputes.
+CHUNKED_AND_PREEMPTING = dict(block_size=8, num_kv_blocks=16, max_model_len=128, max_num_batched_tokens=16)
+ROOMY = dict(block_size=8, num_kv_blocks=64, max_model_len=128)
+
+# (model fixture, tp, engine settings, what the case is about)
+CASES = [
+    ("tiny_llama_dir", 2, CHUNKED_AND_PREEMPTING, "llama-gqa-tp-equals-kv-heads"),
+    ("tiny_llama_dir", 4, CHUNKED_AND_PREEMPTING, "llama-kv-heads-replicated"),
+    ("tiny_qwen2_dir", 2, CHUNKED_AND_PREEMPTING, "qwen2-bias-tied"),
+    ("tiny_qwen2_dir", 4, ROOMY, "qwen2-bias-tied-kv-replicated"),
+    ("tiny_llama_odd_vocab_dir", 2, ROOMY, "vocab-1021-padded-to-1022"),
+    ("tiny_llama_odd_vocab_dir", 4, CHUNKED_AND_PREEMPTING, "vocab-1021-padded-to-1024"),
+]
+
+
+def prompts_for(vocab_size: int) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (6, 37, 21, 50)]
+
+
+def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def tp1_engines():
+    """TP=1 engines by (model dir, settings), made on first use."""
+    engines: dict[tuple, LLM] = {}
+
+    def get(model_dir, settings: dict) -> LLM:
+        key = (str(model_dir), tuple(sorted(settings.items())))
+        if key not in engines:
+            engines[key] = LLM(str(model_dir), **settings)
+        return engines[key]
+
+    yield get
+    for llm in engines.values():
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[case[3] for case in CASES])
+def tp_case(request):
+    """One TP engine at a time (pytest groups the tests by case), shut down after its tests."""
+    fixture, tp, settings, _ = request.param
+    model_dir = request.getfixturevalue(fixture)
+    llm = LLM(str(model_dir), tensor_parallel_size=tp, **settings)
+    yield model_dir, tp, settings, llm
+    llm.shutdown()
+
+
+def test_greedy_tokens_equal_tp1_and_hugging_face(tp_case, tp1_engines, hf_greedy):
+    model_dir, tp, settings, llm = tp_case
+    prompts = prompts_for(llm.engine.model_config.vocab_size)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS, ignore_eos=True)
+    assert all(len(set(tokens)) >= MAX_TOKENS // 2 for tokens in expected), "oracle outputs are degenerate"
+
+    assert greedy(tp1_engines(model_dir, settings), prompts) == expected
+    assert greedy(llm, prompts) == expected
+    if settings is CHUNKED_AND_PREEMPTING:
+        assert llm.engine.num_mixed_steps > 0, "no prefill chunk ran beside decodes"
+        assert llm.engine.scheduler.num_preemptions > 0, "nothing was preempted"
+
+
+def test_each_rank_holds_a_tp_share_of_weights_and_kv_cache(tp_case, tp1_engines):
+    model_dir, tp, settings, llm = tp_case
+    config = llm.engine.model_config
+    single = measure_memory(tp1_engines(model_dir, settings).engine.executor)
+    ranks = llm.engine.executor.memory()
+    assert [r.rank for r in ranks] == list(range(tp))
+
+    element = 4  # float32
+    hidden, layers, head_dim = config.hidden_size, config.num_hidden_layers, config.head_dim
+    kv_heads = config.num_key_value_heads
+    kv_heads_per_rank = max(1, kv_heads // tp)  # a KV head is replicated when tp > kv_heads
+    kv_row = hidden + (1 if config.attention_bias else 0)  # k/v weight row plus its bias
+    # replicated: every norm; per-rank KV projections and the padded vocabulary are counted apart
+    replicated = (2 * layers + 1) * hidden * element
+    kv_proj = layers * 2 * kv_heads * head_dim * kv_row * element
+    kv_proj_per_rank = layers * 2 * kv_heads_per_rank * head_dim * kv_row * element
+    vocab_tables = 1 if config.tie_word_embeddings else 2
+    vocab = vocab_tables * config.vocab_size * hidden * element
+    vocab_per_rank = vocab_tables * -(-config.vocab_size // tp) * hidden * element
+    evenly_split = single.weight_bytes - replicated - kv_proj - vocab
+    expected_weights = evenly_split // tp + replicated + kv_proj_per_rank + vocab_per_rank
+    assert [r.weight_bytes for r in ranks] == [expected_weights] * tp
+    assert single.weight_bytes / tp < expected_weights < single.weight_bytes / tp * 1.15
+
+    # same block count on every rank, each holding its own KV heads of every block
+    assert [r.kv_cache_bytes for r in ranks] == [single.kv_cache_bytes * kv_heads_per_rank // kv_heads] * tp

@@ -1,0 +1,66 @@
+"""Tensor-parallel engines start side by side, fail loudly when a rank dies, and leave room for the next."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+
+from engine.config import SamplingParams
+from engine.errors import EngineDeadError
+from engine.llm_engine import LLM
+
+SETTINGS = dict(tensor_parallel_size=2, block_size=8, num_kv_blocks=64, max_model_len=256)
+PROMPTS = [[1, 45, 300, 12, 999, 7, 64], [1, 800, 801, 5]]
+MAX_TOKENS = 12
+
+
+def greedy(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+
+
+def test_impossible_layouts_are_rejected_before_anything_starts(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be divisible by tensor_parallel_size \(8\)"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=8)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1, 2, 4 or 8"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=3)
+
+
+@pytest.mark.timeout(180)
+def test_two_tp2_engines_started_at_once_in_one_process_both_serve(tiny_llama_dir, tiny_qwen2_dir, hf_greedy):
+    # two models, so an engine reading the other's collectives would produce wrong tokens
+    model_dirs = [str(tiny_llama_dir), str(tiny_qwen2_dir)]
+    with ThreadPoolExecutor(2) as pool:
+        engines = list(pool.map(lambda d: LLM(d, **SETTINGS), model_dirs))
+        try:
+            outputs = list(pool.map(greedy, engines))
+        finally:
+            for llm in engines:
+                llm.shutdown()
+    assert outputs == [hf_greedy(d, PROMPTS, MAX_TOKENS, ignore_eos=True) for d in model_dirs]
+
+
+@pytest.mark.timeout(120)  # a hang fails here; the failure itself comes at the first step after the kill
+def test_killed_worker_fails_the_engine_with_a_clear_error_and_a_new_engine_starts(tiny_llama_dir, hf_greedy):
+    llm = LLM(str(tiny_llama_dir), **SETTINGS)
+    engine = llm.engine
+    engine.add_request("long", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    ray.kill(engine.executor.workers[0])
+
+    with pytest.raises(EngineDeadError, match=r"worker rank 1 died") as failure:
+        while engine.has_unfinished_requests():  # the killed actor may finish a step before it goes
+            engine.step()
+    assert "actor" in str(failure.value).lower()
+    with pytest.raises(EngineDeadError):  # dead stays dead, without touching the other ranks
+        engine.step()
+    llm.shutdown()
+
+    replacement = LLM(str(tiny_llama_dir), **SETTINGS)
+    try:
+        assert greedy(replacement) == hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS, ignore_eos=True)
+    finally:
+        replacement.shutdown()
