@@ -9,6 +9,7 @@ Grouped-query attention: query head h reads KV head h // (num_heads // num_kv_he
 """
 
 import torch
+import torch.nn.functional as F
 
 
 def _gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,20 +30,42 @@ def paged_decode_attention_torch(
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """One query token per sequence against all of its cached tokens, batched over sequences."""
+    """One query token per sequence against all of its cached tokens, batched over sequences.
+
+    On CPU the gathers, not the matmuls, dominate (docs/BENCHMARKS.md, "Kernels"): keys are gathered
+    once, but values never are: embedding_bag sums the probability-weighted value rows straight out
+    of the cache, which costs about half of gathering them and then multiplying.
+    """
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[1]
+    _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    key, value = _gather_kv(kv_cache, block_tables)  # [kv_heads, seqs, ctx, head_dim]
-    max_context = key.shape[2]
-    # [kv_heads, seqs, group, head_dim]
-    q = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
+    max_context = block_tables.shape[1] * block_size
+    device = query.device
+    key = kv_cache[0].index_select(1, block_tables.reshape(-1).long())
+    key = key.view(num_kv_heads, num_seqs, max_context, head_dim)
+    q = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(
+        0, 1
+    )  # [kv_heads, seqs, group, head_dim]
     scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [kv_heads, seqs, group, ctx]
-    pad = torch.arange(max_context, device=query.device)[None, :] >= context_lens[:, None]  # [seqs, ctx]
+    pad = torch.arange(max_context, device=device)[None, :] >= context_lens[:, None]  # [seqs, ctx]
     scores.masked_fill_(pad[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # [kv_heads, seqs, group, head_dim]
-    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
+    probs = torch.softmax(scores, dim=-1).to(kv_cache.dtype)
+
+    # Row of each (kv head, sequence, position) in the cache's values seen as [kv_heads * slots, head_dim].
+    slots = block_tables.long()[:, :, None] * block_size + torch.arange(block_size, device=device)
+    rows = slots.view(1, num_seqs, 1, max_context) + (
+        torch.arange(num_kv_heads, device=device) * (num_blocks * block_size)
+    ).view(num_kv_heads, 1, 1, 1)
+    rows = rows.expand(num_kv_heads, num_seqs, group, max_context).reshape(
+        -1, max_context
+    )  # one bag per head
+    values = kv_cache[1].reshape(num_kv_heads * num_blocks * block_size, head_dim)
+    out = F.embedding_bag(rows, values, mode="sum", per_sample_weights=probs.reshape(-1, max_context))
+    return (
+        out.view(num_kv_heads, num_seqs, group, head_dim)
+        .transpose(0, 1)
+        .reshape(num_seqs, num_heads, head_dim)
+    )
 
 
 def paged_prefill_attention_torch(
