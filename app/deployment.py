@@ -16,6 +16,7 @@ from ray.serve import Application
 from app.api import build_api, engine_stats_dict
 from app.autoscaling import QUEUE_DEPTH_METRIC, autoscaling_config
 from app.config import ServeArgs
+from app.observability import ReplicaObservability
 from app.serving import OpenAIServing
 
 logger = logging.getLogger("shardserve.deployment")
@@ -94,12 +95,16 @@ class LLMServer:
 
             model_dir = str(ensure_demo_model())
         self.engine = AsyncLLMEngine(self.args.engine_config(model_dir))
-        self.serving = OpenAIServing(self.engine, served_model_name(self.args), self.args.max_waiting_requests)
+        # tracing and /metrics: one TracerProvider and one Prometheus registry per replica (app/observability.py)
+        self.observability = ReplicaObservability(self.engine, served_model_name(self.args), _replica_id(),
+                                                  self.args.tensor_parallel_size, self.args.otlp_traces_endpoint)
+        self.serving = OpenAIServing(self.observability.engine, served_model_name(self.args),
+                                     self.args.max_waiting_requests)
         logger.info("replica ready: model %s served as %r", model_dir, self.serving.served_model_name)
 
     def __serve_build_asgi_app__(self):
-        return build_api(self.serving, api_key=self.args.api_key,
-                         max_request_body_bytes=self.args.max_request_body_bytes)
+        return self.observability.install(build_api(self.serving, api_key=self.args.api_key,
+                                                    max_request_body_bytes=self.args.max_request_body_bytes))
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Queue depth for app/autoscaling.py: sequences waiting plus running in this replica's engine."""
@@ -118,6 +123,9 @@ class LLMServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        observability = getattr(self, "observability", None)
+        if observability is not None:
+            observability.shutdown()
 
 
 def build_app(args: ServeArgs) -> Application:
@@ -125,6 +133,14 @@ def build_app(args: ServeArgs) -> Application:
     if not isinstance(args, ServeArgs):
         args = ServeArgs.model_validate(args)
     return LLMServer.options(**deployment_options(args)).bind(args.model_dump())
+
+
+def _replica_id() -> str:
+    """This replica's id as Serve names it (label `replica` of /metrics, attribute of every span)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a Serve replica (local testing mode)
+        return "local"
 
 
 def _keep_replica_grpc_on_loopback() -> None:

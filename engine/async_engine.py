@@ -97,6 +97,11 @@ class AsyncLLMEngine:
         self._inbox.append(("abort", request_id))
         self._wakeup.set()
 
+    @property
+    def recent_steps(self) -> deque[tuple[int, int]]:
+        """(step number, tokens computed) of the latest steps, appended by the loop thread."""
+        return self.engine.recent_steps
+
     def stats(self) -> EngineStats:
         stats = self.engine.stats()
         stats.num_waiting += sum(1 for item in list(self._inbox) if item[0] == "add")

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence as SequenceABC
 
 from engine.block_manager import BlockManager
@@ -18,6 +19,8 @@ from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence
+
+RECENT_STEPS = 4096  # steps remembered for metrics between two scrapes
 
 
 class LLMEngine:
@@ -53,6 +56,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_mixed_steps = 0  # steps where a prefill chunk shared the batch with decodes
+        # (step number, tokens computed) of the latest steps: app/metrics.py's tokens-per-step histogram
+        self.recent_steps: deque[tuple[int, int]] = deque(maxlen=RECENT_STEPS)
 
     def _make_executor(self):
         if self.config.tensor_parallel_size == 1:
@@ -132,6 +137,7 @@ class LLMEngine:
         self.num_steps += 1
         if sched.decodes and sched.prefills:
             self.num_mixed_steps += 1
+        self.recent_steps.append((self.num_steps, sched.num_batched_tokens))
         logits = self.executor.execute_model(prepare_step(sched, self.config.block_size))
         return self._process(sched, logits)
 
