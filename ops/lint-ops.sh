@@ -52,8 +52,11 @@ checkov_scan() {
   local out rc=0
   out="$(mktemp -d)"
   local common=(--skip-download --external-checks-dir "$REPO/ops/checkov" --output json --soft-fail --quiet)
-  "$OPS_VENV/bin/checkov" -d "$TARGET/ops/terraform" --framework terraform "${common[@]}" >"$out/terraform.json" 2>"$out/terraform.err" || rc=1
+  # Two scans side by side (checkov reads files given with -f only when no -d is given).
+  "$OPS_VENV/bin/checkov" -d "$TARGET/ops/terraform" --framework terraform "${common[@]}" >"$out/terraform.json" 2>"$out/terraform.err" &
+  local terraform_pid=$!
   "$OPS_VENV/bin/checkov" -f "$TARGET/Dockerfile" --framework dockerfile "${common[@]}" >"$out/dockerfile.json" 2>"$out/dockerfile.err" || rc=1
+  wait "$terraform_pid" || rc=1
   if [[ $rc -ne 0 ]]; then tail -20 "$out"/*.err; rm -rf "$out"; return 1; fi
   (cd "$REPO" && "$PYTHON" -m ops.check.checkov_report "$out/terraform.json" terraform &&
     "$PYTHON" -m ops.check.checkov_report "$out/dockerfile.json" dockerfile) || rc=1

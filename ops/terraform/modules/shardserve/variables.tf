@@ -49,7 +49,7 @@ variable "model_s3_uri" {
 variable "model_sync_image" {
   description = "Image of the init container that copies model_s3_uri."
   type        = string
-  default     = "public.ecr.aws/aws-cli/aws-cli:2.27.50"
+  default     = "public.ecr.aws/aws-cli/aws-cli:2.27.49"
 }
 
 variable "served_model_name" {
