@@ -7,6 +7,7 @@ shardserve Terraform module renders, so the three cannot drift apart.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import ValidationError
@@ -47,9 +48,15 @@ def check_serve_config(config: Any, where: str) -> tuple[list[Finding], list[Ser
                 Finding("serve-import-path", where, f"application {name!r}: import_path must be {SERVE_IMPORT_PATH!r}, not {app.get('import_path')!r}")
             )
         try:
-            parsed.append(ServeArgs.model_validate(app.get("args") or {}))
+            args = ServeArgs.model_validate(app.get("args") or {})
         except ValidationError as e:
             findings.append(Finding("serve-args", where, f"application {name!r}: ServeArgs rejects args: {_errors(e)}"))
+            continue
+        parsed.append(args)
+        endpoint = args.otlp_traces_endpoint
+        if endpoint not in (None, "console") and urlsplit(endpoint).scheme not in ("http", "https", "grpc"):
+            findings.append(Finding("serve-args", where, f"application {name!r}: otlp_traces_endpoint {endpoint!r} must be "
+                                    "http(s)://host:4318/v1/traces, grpc://host:4317 or console (app/tracing.py)"))
     return findings, parsed
 
 

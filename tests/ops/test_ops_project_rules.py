@@ -117,3 +117,10 @@ def test_max_replicas_beyond_the_gpu_nodes_capacity_is_reported(ops_tree):
 def test_worker_pod_with_fewer_cpus_than_the_placement_group_needs_is_reported(ops_tree):
     ops_tree.edit(RAYSERVICE_YAML, '          downscale_delay_s: 600\n', '          downscale_delay_s: 600\n          cpus_per_rank: 4\n')
     only_rule(findings_of(ops_tree), "cpus-per-replica", "tensor_parallel_size x cpus_per_rank = 4")
+
+
+def test_otlp_endpoint_without_a_scheme_is_reported(ops_tree):
+    ops_tree.edit(f"{TP2}/terraform.tfvars.example",
+                  '# otlp_traces_endpoint = "http://otel-collector.observability.svc.cluster.local:4318/v1/traces"',
+                  'otlp_traces_endpoint = "otel-collector.observability:4317"')
+    only_rule(findings_of(ops_tree), "serve-args", "otlp_traces_endpoint 'otel-collector.observability:4317'")
