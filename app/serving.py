@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
+from app.engine_streams import Prompt, start_generation
 from app.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -41,12 +40,6 @@ logger = logging.getLogger("shardserve.api")
 
 class ModelNotFoundError(Exception):
     """The request names a model this server does not serve: maps to HTTP 404."""
-
-
-@dataclass
-class Prompt:
-    text: str | None  # None when the client sent token ids
-    token_ids: list[int]
 
 
 @dataclass
@@ -151,72 +144,6 @@ class OpenAIServing:
 
     # -- generation ---------------------------------------------------------------------------------
 
-    async def _generate(self, request_id: str, prompts: Sequence[Prompt],
-                        params: Sequence[SamplingParams]) -> AsyncIterator[tuple[int, Any]]:
-        """Yield (prompt index, delta) from one engine request per prompt; the first item comes before any
-        engine error is hidden, and leaving early aborts every unfinished request."""
-        self.check_capacity()
-        streams = [
-            self.engine.generate(p.token_ids, sp, request_id=f"{request_id}-{i}", prompt=p.text)
-            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
-        ]
-        if len(streams) == 1:
-            async with aclosing(streams[0]) as stream:
-                async for delta in stream:
-                    yield 0, delta
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-        finished = object()
-
-        async def pump(index: int, stream: AsyncIterator) -> None:
-            try:
-                async for delta in stream:
-                    queue.put_nowait((index, delta))
-                queue.put_nowait((index, finished))
-            except BaseException as e:  # noqa: B036 - handed to the consumer, which re-raises
-                queue.put_nowait((index, e))
-            finally:
-                await stream.aclose()
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                index, item = await queue.get()
-                if item is finished:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield index, item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _start(self, request_id: str, prompts: Sequence[Prompt], params: Sequence[SamplingParams]):
-        """Start generating and wait for the first delta, so request errors surface before any response."""
-        deltas = self._generate(request_id, prompts, params)
-        try:
-            first = await deltas.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except BaseException:
-            await deltas.aclose()
-            raise
-        return first, deltas
-
-    @staticmethod
-    async def _chain(first, deltas) -> AsyncIterator[tuple[int, Any]]:
-        if first is None:
-            return
-        try:
-            yield first
-            async for item in deltas:
-                yield item
-        finally:
-            await deltas.aclose()
-
     # -- /v1/completions ----------------------------------------------------------------------------
 
     def _completion_prompts(self, req: CompletionRequest) -> list[Prompt]:
@@ -265,15 +192,16 @@ class OpenAIServing:
         params = [self._sampling_params(req, self._check_length(p, req.max_tokens, "prompt"), req.logprobs)
                   for p in prompts]
         logger.info("%s: %d prompt(s), n=%d, stream=%s", request_id, len(prompts), req.n, req.stream)
-        first, deltas = await self._start(request_id, prompts, params)
+        self.check_capacity()
+        deltas = await start_generation(self.engine, request_id, prompts, params)
         states = [ChoiceState() for _ in range(len(prompts) * req.n)]
         echoes = [(p.text if p.text is not None else self.tokenizer.decode(p.token_ids)) if req.echo else ""
                   for p in prompts]
         for state, echo in zip(states, (e for e in echoes for _ in range(req.n)), strict=True):
             state.text_offset = len(echo)
         if req.stream:
-            return self._completion_stream(req, request_id, prompts, states, echoes, first, deltas)
-        async for prompt_index, delta in self._chain(first, deltas):
+            return self._completion_stream(req, request_id, prompts, states, echoes, deltas)
+        async for prompt_index, delta in deltas:
             for out in delta.outputs:
                 state = states[prompt_index * req.n + out.index]
                 state.text += out.text
@@ -292,11 +220,11 @@ class OpenAIServing:
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                   usage=_usage(prompts, states))
 
-    async def _completion_stream(self, req, request_id, prompts, states, echoes, first, deltas):
+    async def _completion_stream(self, req, request_id, prompts, states, echoes, deltas):
         include_usage = req.include_usage_chunk
         exclude = None if include_usage else {"usage"}
         try:
-            async for prompt_index, delta in self._chain(first, deltas):
+            async for prompt_index, delta in deltas:
                 choices = []
                 for out in delta.outputs:
                     index = prompt_index * req.n + out.index
@@ -353,15 +281,17 @@ class OpenAIServing:
             raise InvalidRequestError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = self._chat_prompt(req)
-        max_tokens = self._check_length(prompt, req.max_completion_tokens or req.max_tokens, "messages")
+        max_tokens = self._check_length(
+            prompt, req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens, "messages")
         num_top = req.top_logprobs or 0
         params = self._sampling_params(req, max_tokens, num_top if req.logprobs else None)
         logger.info("%s: %d message(s), n=%d, stream=%s", request_id, len(req.messages), req.n, req.stream)
-        first, deltas = await self._start(request_id, [prompt], [params])
+        self.check_capacity()
+        deltas = await start_generation(self.engine, request_id, [prompt], [params])
         states = [ChoiceState() for _ in range(req.n)]
         if req.stream:
-            return self._chat_stream(req, request_id, prompt, states, num_top, first, deltas)
-        async for _, delta in self._chain(first, deltas):
+            return self._chat_stream(req, request_id, prompt, states, num_top, deltas)
+        async for _, delta in deltas:
             for out in delta.outputs:
                 state = states[out.index]
                 state.text += out.text
@@ -377,7 +307,7 @@ class OpenAIServing:
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                       usage=_usage([prompt], states))
 
-    async def _chat_stream(self, req, request_id, prompt, states, num_top, first, deltas):
+    async def _chat_stream(self, req, request_id, prompt, states, num_top, deltas):
         include_usage = req.include_usage_chunk
         exclude = None if include_usage else {"usage"}
 
@@ -388,7 +318,7 @@ class OpenAIServing:
         try:
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                          for i in range(req.n)])
-            async for _, delta in self._chain(first, deltas):
+            async for _, delta in deltas:
                 choices = []
                 for out in delta.outputs:
                     states[out.index].token_ids += out.token_ids
