@@ -67,6 +67,8 @@ class FakeEngine:
         self.is_running = True
         self.stats_now = FakeStats()
         self.request_ids: list[str] = []
+        self.num_generated_tokens = 0
+        self.fail_with: Exception | None = None  # raised by the next generate() before its first delta
 
     def stats(self) -> FakeStats:
         return self.stats_now
@@ -76,6 +78,9 @@ class FakeEngine:
 
     async def generate(self, prompt_token_ids, sampling_params, request_id, prompt=None):
         sp = sampling_params
+        if self.fail_with is not None:
+            error, self.fail_with = self.fail_with, None
+            raise error
         if len(prompt_token_ids) + sp.max_tokens > self.max_model_len:
             raise InvalidRequestError("too long (engine)", param="max_tokens")
         self.request_ids.append(request_id)
@@ -90,6 +95,7 @@ class FakeEngine:
                     if done[i]:
                         continue
                     token = fake_next_token(prompt_token_ids, position, i, sp.greedy)
+                    self.num_generated_tokens += 1
                     text = chr(token)
                     texts[i] += text
                     finish = "length" if position == sp.max_tokens - 1 else None

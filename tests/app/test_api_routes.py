@@ -8,7 +8,10 @@ import httpx
 import pytest
 
 from app.api import build_api
+from app.engine_streams import Prompt, start_generation
 from app.serving import OpenAIServing
+from engine.config import SamplingParams
+from engine.errors import EngineDeadError, InvalidRequestError
 from tests.app.fake_engine import FakeEngine, fake_next_token
 
 MODEL = "fake-model"
@@ -218,3 +221,32 @@ async def test_token_id_prompts_are_accepted_alone_or_as_a_batch(client):
     batch = await client.post("/v1/completions", json={"model": MODEL, "prompt": [[104, 105], [120]],
                                                        "max_tokens": 2, "temperature": 0})
     assert [c["text"] for c in batch.json()["choices"]] == [expected_text("hi", 2), expected_text("x", 2)]
+
+
+@pytest.mark.parametrize(("error", "status", "error_type"), [
+    (InvalidRequestError("the engine says no", param="prompt"), 400, "invalid_request_error"),
+    (EngineDeadError("loop died"), 503, "service_unavailable_error"),
+])
+async def test_engine_errors_before_the_first_token_are_http_errors_even_when_streaming(client, engine, error,
+                                                                                         status, error_type):
+    engine.fail_with = error
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True})
+    assert r.status_code == status
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["type"] == error_type
+
+
+async def test_leaving_a_multi_prompt_stream_early_closes_every_engine_request(engine):
+    prompts = [Prompt("a", [97]), Prompt("b", [98]), Prompt("c", [99])]
+    params = [SamplingParams(max_tokens=50)] * 3
+    deltas = await start_generation(engine, "cmpl-test", prompts, params)
+    seen = set()
+    async for index, _ in deltas:
+        seen.add(index)
+        if len(seen) == 3:
+            break
+    assert engine.stats().num_running == 3
+    await deltas.aclose()
+    assert engine.stats().num_running == 0
+    assert engine.num_generated_tokens < 3 * 50  # aborted, not run to the end
+    assert sorted(engine.request_ids) == ["cmpl-test-0", "cmpl-test-1", "cmpl-test-2"]
