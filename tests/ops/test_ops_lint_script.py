@@ -36,9 +36,11 @@ def test_hcl_syntax_error_fails_the_syntax_step_and_checkov_reports_the_file_unp
     assert "checkov could not parse" in result.stdout
 
 
-def test_checkov_finding_without_an_accepted_reason_fails(ops_tree):
-    # The custom policy CKV_SHARD_3 (RayService GPU workers tolerate the taint) and a built-in
-    # finding whose inline skip is removed.
+def test_checkov_findings_fail_each_custom_gpu_policy_and_an_unaccepted_builtin_check(ops_tree):
+    # One copy, four planted findings (one lint run): the three custom policies in ops/checkov
+    # and a built-in check whose inline skip (the accepted reason) is removed.
+    ops_tree.edit("ops/terraform/modules/gpu-cluster/main.tf", 'key    = "nvidia.com/gpu"', 'key    = "dedicated"')
+    ops_tree.edit("ops/terraform/modules/gpu-cluster/addons.tf", '  version          = "1.4.2"\n', "")
     ops_tree.edit("ops/terraform/modules/shardserve/main.tf",
                   '{ key = "nvidia.com/gpu", operator = "Exists", effect = "NoSchedule" },', "")
     ops_tree.edit("ops/terraform/modules/gpu-cluster/main.tf", "  #checkov:skip=CKV_AWS_394:", "  # was a skip:")
@@ -46,4 +48,5 @@ def test_checkov_finding_without_an_accepted_reason_fails(ops_tree):
     assert result.returncode == 1
     assert "-- hcl syntax: ok" in result.stdout
     assert "-- checkov: FAILED" in result.stdout
-    assert "CKV_SHARD_3" in result.stdout and "CKV_AWS_394" in result.stdout
+    for check_id in ("CKV_SHARD_1", "CKV_SHARD_2", "CKV_SHARD_3", "CKV_AWS_394"):
+        assert check_id in result.stdout, check_id
