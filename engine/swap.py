@@ -86,18 +86,18 @@ class KVSwapper:
         block_size: int,
     ) -> None:
         """Start this step's swap-outs, make its swap-ins, and wait for the copies it conflicts with."""
-        if swap_out:
+        earlier = [job for job in self.in_flight.values() if not job.done()]
+        if swap_out:  # this step's own copies read blocks no step may write before they are reported
             self._start_swap_out(ticket, swap_out)
-        written = {device for _, device in swap_in}
-        if slot_mapping.numel():
-            written.update(np.unique(slot_mapping.numpy() // block_size).tolist())
-        read_host = {host for host, _ in swap_in}
-        for job in list(self.in_flight.values()):
-            if job.ticket == ticket or job.done():
-                continue  # this step's own swap-outs read blocks the scheduler just took off the step
-            if job.device_blocks & written or job.host_blocks & read_host:
-                self.num_swap_out_waits += 1
-                self._wait_on(job)
+        if earlier:
+            written = {device for _, device in swap_in}
+            if slot_mapping.numel():
+                written.update(np.unique(slot_mapping.numpy() // block_size).tolist())
+            read_host = {host for host, _ in swap_in}
+            for job in earlier:
+                if job.device_blocks & written or job.host_blocks & read_host:
+                    self.num_swap_out_waits += 1
+                    self._wait_on(job)
         if swap_in:
             self._swap_in(swap_in)
 

@@ -4,6 +4,7 @@ import random
 import threading
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.block_manager import BlockManager
@@ -11,6 +12,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.scheduler import Scheduler
 from engine.sequence import Request, SequenceStatus
+from engine.swap import KVSwapper
 
 TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 64 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads, head_dim 64, float32
 
@@ -150,6 +152,30 @@ def test_aborting_a_swapped_sequence_returns_its_host_blocks():
     assert manager.num_free_host_blocks == 8 and not scheduler.swapped
     manager.complete_swap_out(out.swap_out_ticket)
     manager.check_invariants(live(scheduler))
+
+
+def test_a_step_waits_only_for_the_swap_outs_whose_blocks_it_writes():
+    caches = [torch.randn(2, 2, 8, 4, 3) for _ in range(2)]  # [2, kv_heads, blocks, block_size, head_dim]
+    swapped_out = [cache[:, :, [2, 5]].clone() for cache in caches]
+    swapper = KVSwapper(caches, 4, torch.device("cpu"))
+    release = threading.Event()
+    swapper.swap_out_hook = lambda: release.wait(timeout=60)
+    no_slots = torch.zeros(0, dtype=torch.int64)
+    swapper.before_step([(2, 0), (5, 1)], [], 0, no_slots, 4)
+    # writing blocks 0 and 1 does not wait for the copy that reads blocks 2 and 5 (it is still held)
+    swapper.before_step([], [], None, torch.arange(0, 8), 4)
+    assert swapper.num_swap_out_waits == 0 and not swapper.in_flight[0].done()
+    # writing a slot of block 5 must wait for that copy: release it only once the step asks
+    wait_on = swapper._wait_on
+    swapper._wait_on = lambda job: (release.set(), wait_on(job))
+    swapper.before_step([], [], None, torch.tensor([5 * 4 + 1]), 4)
+    assert swapper.num_swap_out_waits == 1 and swapper.in_flight[0].done()
+    assert swapper.poll() == [0] and not swapper.in_flight
+    # and the copies come back intact, into other blocks
+    swapper.before_step([], [(0, 7), (1, 3)], None, no_slots, 4)
+    for cache, expected in zip(caches, swapped_out):
+        assert torch.equal(cache[:, :, [7, 3]], expected)
+    swapper.shutdown()
 
 
 # ---- the engine against transformers -----------------------------------------------------------
