@@ -174,8 +174,10 @@ class OpenAIServing:
             text = self.token_text(token_id)
             out.tokens.append(text)
             out.token_logprobs.append(candidates.get(token_id))
-            ranked = sorted(candidates.items(), key=lambda kv: -kv[1])[: max(num_top, 1)]
-            out.top_logprobs.append({self.token_text(t): lp for t, lp in ranked} if num_top else None)
+            ranked = sorted(candidates.items(), key=lambda kv: -kv[1])[:num_top]
+            top = {self.token_text(t): lp for t, lp in ranked}
+            top.setdefault(text, candidates.get(token_id))  # like vLLM: the sampled token is always there
+            out.top_logprobs.append(top)
             out.text_offset.append(state.text_offset)
             state.text_offset += len(text)
         return out

@@ -250,3 +250,10 @@ async def test_leaving_a_multi_prompt_stream_early_closes_every_engine_request(e
     assert engine.stats().num_running == 0
     assert engine.num_generated_tokens < 3 * 50  # aborted, not run to the end
     assert sorted(engine.request_ids) == ["cmpl-test-0", "cmpl-test-1", "cmpl-test-2"]
+
+
+async def test_completion_logprobs_zero_still_reports_the_sampled_token(client):
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                   "logprobs": 0, "temperature": 0})
+    logprobs = r.json()["choices"][0]["logprobs"]
+    assert logprobs["top_logprobs"] == [{tok: -0.5} for tok in expected_text("hi", 2)]
