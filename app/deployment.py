@@ -23,6 +23,7 @@ logger = logging.getLogger("shardserve.deployment")
 
 DEMO_MODEL_NAME = "shardserve-demo"
 RETRY_AFTER_S = 1.0
+RAY_METRICS_INTERVAL_S = 5.0  # how often a replica copies its Prometheus metrics into Ray's node export
 
 
 def served_model_name(args: ServeArgs) -> str:
@@ -97,7 +98,8 @@ class LLMServer:
         self.engine = AsyncLLMEngine(self.args.engine_config(model_dir))
         # tracing and /metrics: one TracerProvider and one Prometheus registry per replica (app/observability.py)
         self.observability = ReplicaObservability(self.engine, served_model_name(self.args), _replica_id(),
-                                                  self.args.tensor_parallel_size, self.args.otlp_traces_endpoint)
+                                                  self.args.tensor_parallel_size, self.args.otlp_traces_endpoint,
+                                                  ray_metrics_interval_s=RAY_METRICS_INTERVAL_S)
         self.serving = OpenAIServing(self.observability.engine, served_model_name(self.args),
                                      self.args.max_waiting_requests)
         logger.info("replica ready: model %s served as %r", model_dir, self.serving.served_model_name)

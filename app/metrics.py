@@ -8,6 +8,8 @@ its CollectorRegistry: two apps in one process never share series.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -19,6 +21,8 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from app.observability import RequestRecord
+
+logger = logging.getLogger("shardserve.metrics")
 
 PREFIX = "shardserve:"
 LABELS = ("model_name", "replica")
@@ -61,6 +65,7 @@ class EngineCollector(Collector):
         self._step_sum = 0
         self._step_count = 0
         self._steps_seen = 0
+        self._lock = threading.Lock()  # /metrics and the Ray mirror thread may collect at once
 
     def describe(self):
         return []  # names come from collect(); nothing to check at registration
@@ -77,7 +82,8 @@ class EngineCollector(Collector):
                             getattr(stats, "prefix_cache_queries", 0))
         yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                             getattr(stats, "prefix_cache_hits", 0))
-        yield self._iteration_tokens()
+        with self._lock:
+            yield self._iteration_tokens()
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
@@ -157,6 +163,51 @@ class ServingMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RayMetricsMirror:
+    """Copies a replica's registry into Ray's metrics every `interval_s`, so one scrape of each Ray node's
+    metrics export port sees every replica on it (Serve's router sends GET /metrics to one replica at a time).
+
+    Ray exports them as `ray_shardserve_<name>` (its OpenTelemetry recorder rejects ':' in names; a Prometheus
+    relabel rule maps them back to `shardserve:<name>`, see docs/OPERATIONS.md). Every sample, counters and
+    histogram buckets included, goes over as a Ray gauge holding the cumulative value: rate() and
+    histogram_quantile() work on it unchanged.
+    """
+
+    def __init__(self, registry: CollectorRegistry, interval_s: float):
+        from ray.util import metrics as ray_metrics
+
+        self.registry = registry
+        self.interval_s = interval_s
+        self._gauge_type = ray_metrics.Gauge
+        self._gauges: dict[str, object] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shardserve-ray-metrics", daemon=True)
+        self._thread.start()
+
+    def push(self) -> None:
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                name = sample.name.replace(PREFIX, "shardserve_", 1)
+                gauge = self._gauges.get(name)
+                if gauge is None:
+                    gauge = self._gauges[name] = self._gauge_type(
+                        name, description=family.documentation, tag_keys=tuple(sorted(sample.labels)))
+                gauge.set(sample.value, tags=dict(sample.labels))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.push()
+            except Exception:  # noqa: BLE001 - metrics must never take the replica down
+                logger.exception("could not copy metrics to Ray")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def install_metrics_route(app: FastAPI, metrics: ServingMetrics) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 from opentelemetry import context as otel_context
 
-from app.metrics import ServingMetrics, install_metrics_route
+from app.metrics import RayMetricsMirror, ServingMetrics, install_metrics_route
 from app.tracing import TRACER_NAME, RequestTracer, TraceContextMiddleware, make_tracer_provider
 
 logger = logging.getLogger("shardserve.observability")
@@ -154,7 +154,7 @@ class ReplicaObservability:
     """One replica's tracer provider (None when tracing is off) and Prometheus metrics, and its observed engine."""
 
     def __init__(self, engine, model_name: str, replica_id: str, tensor_parallel_size: int,
-                 otlp_traces_endpoint: str | None, span_exporter=None):
+                 otlp_traces_endpoint: str | None, span_exporter=None, ray_metrics_interval_s: float | None = None):
         self.tracer_provider = make_tracer_provider(
             otlp_traces_endpoint, {"shardserve.replica_id": replica_id}, exporter=span_exporter)
         tracer = None
@@ -162,6 +162,10 @@ class ReplicaObservability:
             tracer = RequestTracer(self.tracer_provider.get_tracer(TRACER_NAME), replica_id, tensor_parallel_size)
         self.metrics = ServingMetrics(engine, model_name, replica_id)
         self.engine = ObservedEngine(engine, model_name, tracer, self.metrics)
+        # inside a Ray Serve replica: also copy the metrics to Ray's per-node export (app/metrics.py)
+        self.ray_mirror = None
+        if ray_metrics_interval_s is not None:
+            self.ray_mirror = RayMetricsMirror(self.metrics.registry, ray_metrics_interval_s)
 
     @property
     def tracing(self) -> bool:
@@ -176,5 +180,7 @@ class ReplicaObservability:
 
     def shutdown(self) -> None:
         """Flush and stop the span exporter (its thread exists only with tracing on)."""
+        if self.ray_mirror is not None:
+            self.ray_mirror.stop()
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()

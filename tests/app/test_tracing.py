@@ -268,6 +268,7 @@ def test_through_ray_serve_the_callers_trace_reaches_the_otlp_receiver(serve_clu
             assert time.monotonic() < deadline, f"the receiver got {len(otlp_receiver.spans())} spans in 60 s"
             time.sleep(0.2)
         metrics = httpx.get(serve_cluster.url("/traced/metrics"), timeout=30)
+        ray_series = wait_for_ray_export('ray_shardserve_prompt_tokens_total{', f'replica="{replica_of(metrics.text)}"')
     finally:
         serve.delete("traced")
     spans = {s.name: s for s in otlp_receiver.spans()}
@@ -284,3 +285,25 @@ def test_through_ray_serve_the_callers_trace_reaches_the_otlp_receiver(serve_clu
               for family in text_string_to_metric_families(metrics.text) for s in family.samples}
     key = ("shardserve:prompt_tokens_total", (("model_name", SERVED_NAME), ("replica", replica_id)))
     assert parsed[key] == completion.usage.prompt_tokens
+    # the same counter through Ray's per-node metrics export (what Prometheus scrapes across replicas)
+    assert float(ray_series.rsplit(" ", 1)[1]) == completion.usage.prompt_tokens
+
+
+def replica_of(metrics_text: str) -> str:
+    return next(s.labels["replica"] for family in text_string_to_metric_families(metrics_text)
+                for s in family.samples if s.name == "shardserve:prompt_tokens_total")
+
+
+def wait_for_ray_export(prefix: str, label: str, timeout_s: float = 90) -> str:
+    """The first line of this node's Ray metrics export starting with `prefix` and holding `label`."""
+    import ray
+
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    deadline = time.monotonic() + timeout_s  # replicas copy every 5 s; Ray reports to its agent every ~10 s
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        lines = [line for line in text.splitlines() if line.startswith(prefix) and label in line]
+        if lines:
+            return lines[0]
+        assert time.monotonic() < deadline, f"{prefix}...{label} not in Ray's metrics export after {timeout_s} s"
+        time.sleep(0.5)
