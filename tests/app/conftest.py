@@ -37,7 +37,8 @@ def serve_cluster():
     import ray
     from ray import serve
 
-    ray.init(include_dashboard=False, num_cpus=4, logging_level=logging.WARNING, log_to_driver=False)
+    # address="local": a fresh cluster of our own even when other Ray clusters run on this machine
+    ray.init(address="local", include_dashboard=False, num_cpus=4, logging_level=logging.WARNING, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
