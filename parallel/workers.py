@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 FAILURE_REPORT_TIMEOUT_S = 5.0
 # On shutdown, how long workers get to leave their loop before they are killed.
 SHUTDOWN_TIMEOUT_S = 10.0
+# Offline on CPU, the engine's own placement group reserves this much (logical) CPU per rank.
+CPU_PER_RANK = 0.5
 
 
 class WorkerStartError(EngineError):
@@ -163,7 +165,14 @@ class WorkerPlacement:
                     f"{world_size} needs {world_size} (bundle 0 for the replica, 1..{world_size - 1} for workers)"
                 )
             return cls(current, owned=False)
-        bundle = {"GPU": 1} if device_type == "cuda" else {"CPU": 1}
+        # CPU bundles are logical; half a CPU per rank, as Serve's default cpus_per_rank
+        bundle = {"GPU": 1} if device_type == "cuda" else {"CPU": CPU_PER_RANK}
+        (resource, amount), = bundle.items()
+        if ray.cluster_resources().get(resource, 0) < amount * world_size:
+            raise WorkerStartError(
+                f"tensor_parallel_size {world_size} needs {world_size} x {bundle} on one Ray node; the cluster has "
+                f"{ray.cluster_resources().get(resource, 0):g} {resource} in all"
+            )
         group = placement_group([dict(bundle) for _ in range(world_size)], strategy="STRICT_PACK")
         try:
             ray.get(group.ready(), timeout=RENDEZVOUS_TIMEOUT.total_seconds())

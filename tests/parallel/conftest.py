@@ -15,7 +15,7 @@ from engine.demo_model import BOS_ID, EOS_ID, PRESETS, train_tokenizer
 ODD_VOCAB_SIZE = 1021
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def ray_session():
     """A local Ray for the whole session (CPU bundles are logical: 8 hold a TP=4 engine and two TP=2)."""
     import ray

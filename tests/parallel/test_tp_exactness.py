@@ -11,6 +11,8 @@ from engine.config import SamplingParams
 from engine.llm_engine import LLM
 from parallel.workers import measure_memory
 
+pytestmark = pytest.mark.usefixtures("ray_session")
+
 MAX_TOKENS = 20
 # Small budget and cache: prompts are prefilled in chunks of 16 tokens beside running decodes, and
 # 4 sequences of up to 70 tokens (9 blocks of 8 each) cannot all fit in 16 blocks, so the

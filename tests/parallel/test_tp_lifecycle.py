@@ -28,6 +28,7 @@ def test_impossible_layouts_are_rejected_before_anything_starts(tiny_llama_dir):
         LLM(str(tiny_llama_dir), tensor_parallel_size=3)
 
 
+@pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(180)
 def test_two_tp2_engines_started_at_once_in_one_process_both_serve(tiny_llama_dir, tiny_qwen2_dir, hf_greedy):
     # two models, so an engine reading the other's collectives would produce wrong tokens
@@ -42,6 +43,7 @@ def test_two_tp2_engines_started_at_once_in_one_process_both_serve(tiny_llama_di
     assert outputs == [hf_greedy(d, PROMPTS, MAX_TOKENS, ignore_eos=True) for d in model_dirs]
 
 
+@pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(120)  # a hang fails here; the failure itself comes at the first step after the kill
 def test_killed_worker_fails_the_engine_with_a_clear_error_and_a_new_engine_starts(tiny_llama_dir, hf_greedy):
     llm = LLM(str(tiny_llama_dir), **SETTINGS)
