@@ -62,3 +62,20 @@ def test_triton_decode_splits_a_long_context_by_itself():
     out = paged_decode_attention_triton(query, kv_cache, block_tables, lens, 0.125)
 
     assert_close_to_spec(out, decode_attention(query, kv_cache, block_tables, lens, 0.125), torch.float32)
+
+
+def test_triton_decode_never_reads_the_block_table_past_a_context():
+    """Entries past a sequence's last block may be anything, even -1: the kernel must not look at them."""
+    generator = torch.Generator().manual_seed(11)
+    context_lens = [5, 40, 17]
+    kv_cache = random_kv_cache(NUM_KV_HEADS, 12, 16, 64, torch.float32, generator)
+    block_tables = scattered_block_tables(context_lens, 16, 12, generator)
+    query = torch.randn(3, 2 * NUM_KV_HEADS, 64, generator=generator)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    padded = block_tables.clone()
+    for row, length in enumerate(context_lens):
+        padded[row, -(-length // 16) :] = -1
+
+    out = paged_decode_attention_triton(query, kv_cache, padded, lens, 0.125, num_splits=2)
+
+    assert_close_to_spec(out, decode_attention(query, kv_cache, block_tables, lens, 0.125), torch.float32)
