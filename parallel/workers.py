@@ -165,7 +165,8 @@ class WorkerPlacement:
                     f"{world_size} needs {world_size} (bundle 0 for the replica, 1..{world_size - 1} for workers)"
                 )
             return cls(current, owned=False)
-        # CPU bundles are logical; half a CPU per rank, as Serve's default cpus_per_rank
+        # CPU bundles are logical (CPU tensor parallelism is for correctness): half a CPU per rank
+        # leaves room for a TP=4 engine beside others on a small local Ray
         bundle = {"GPU": 1} if device_type == "cuda" else {"CPU": CPU_PER_RANK}
         (resource, amount), = bundle.items()
         if ray.cluster_resources().get(resource, 0) < amount * world_size:
