@@ -98,9 +98,7 @@ class RequestTracer:
             "shardserve.prefill.num_tokens": sum(c[1] for c in first_chunks),
             "shardserve.num_cached_tokens": r.num_cached_tokens,
         })
-        for t, num_tokens, shared in first_chunks:
-            span.add_event("prefill_chunk", {"num_tokens": num_tokens, "shared_with_decode": shared},
-                           timestamp=_ns(t))
+        _add_events(span, r, until=end)
         span.end(end_time=_ns(end))
 
     def _decode(self, r: RequestRecord, inside: otel_context.Context) -> None:
@@ -111,16 +109,21 @@ class RequestTracer:
             attributes["shardserve.time_per_output_token"] = r.time_per_output_token
         span = self.tracer.start_span("decode", context=inside, start_time=_ns(r.first_token_time),
                                       attributes=attributes)
-        for t in r.preemptions:
-            span.add_event("preempted", timestamp=_ns(t))
-        for t in r.resumes:
-            span.add_event("resumed", timestamp=_ns(t))
-        # after a recompute preemption the prompt and outputs so far are prefilled again
-        for t, num_tokens, shared in r.prefill_chunks:
-            if t > r.first_token_time:
-                span.add_event("recompute_chunk", {"num_tokens": num_tokens, "shared_with_decode": shared},
-                               timestamp=_ns(t))
+        _add_events(span, r, after=r.first_token_time)
         span.end(end_time=_ns(r.finished_time))
+
+
+def _add_events(span, r: RequestRecord, after: float = float("-inf"), until: float = float("inf")) -> None:
+    """The request's chunk, preemption and resume events that fall in (after, until], in time order.
+
+    A chunk after the first token is the prompt and outputs prefilled again after a recompute preemption.
+    """
+    events = [(t, "prefill_chunk" if t <= (r.first_token_time or float("inf")) else "recompute_chunk",
+               {"num_tokens": num_tokens, "shared_with_decode": shared}) for t, num_tokens, shared in r.prefill_chunks]
+    events += [(t, "preempted", {}) for t in r.preemptions] + [(t, "resumed", {}) for t in r.resumes]
+    for t, name, attributes in sorted(events, key=lambda e: e[0]):
+        if after < t <= until:
+            span.add_event(name, attributes, timestamp=_ns(t))
 
 
 # -- the caller's trace context -----------------------------------------------------------------------

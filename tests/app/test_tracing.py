@@ -151,13 +151,17 @@ async def test_a_preempted_request_shows_preemption_and_resume_events(tiny_llama
     preempted = [by_id[b["id"]] for b in bodies if by_id[b["id"]]["server"].attributes["shardserve.num_preemptions"]]
     assert preempted
     for tree in preempted:
+        # a preemption lands on the span of the phase it interrupted: prefill before the first token, else decode
         decode = tree["decode"]
-        events = [e.name for e in decode.events]
-        assert events.count("preempted") == tree["server"].attributes["shardserve.num_preemptions"]
-        assert events.count("resumed") == events.count("preempted")
-        preempted_at = min(e.timestamp for e in decode.events if e.name == "preempted")
-        resumed_at = min(e.timestamp for e in decode.events if e.name == "resumed")
-        assert decode.start_time <= preempted_at <= resumed_at <= decode.end_time
+        events = [e for span in (tree["prefill"], decode) for e in span.events]
+        names = [e.name for e in events]
+        assert names.count("preempted") == tree["server"].attributes["shardserve.num_preemptions"]
+        assert names.count("resumed") == names.count("preempted")
+        for span in (tree["prefill"], decode):
+            assert all(span.start_time <= e.timestamp <= span.end_time for e in span.events)
+        preempted_at = min(e.timestamp for e in events if e.name == "preempted")
+        resumed_at = min(e.timestamp for e in events if e.name == "resumed")
+        assert preempted_at <= resumed_at
         assert decode.attributes["gen_ai.usage.output_tokens"] == 24
 
 
