@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -238,7 +239,7 @@ class TensorParallelExecutor:
             if isinstance(failure, EngineError):
                 raise failure from exc  # e.g. a worker's ModelLoadError, as rank 0 would raise it
             if failure is not None:
-                raise WorkerStartError(f"tensor-parallel startup failed: {failure}") from exc
+                raise WorkerStartError(f"tensor-parallel startup failed: {_describe(failure)}") from exc
             raise
         self.num_blocks = self.runner.num_blocks
 
@@ -251,7 +252,7 @@ class TensorParallelExecutor:
             return self.runner.execute_model(step)
         except Exception as exc:  # any failure leaves the ranks out of step: the engine is done
             failure = self._worker_failure()
-            self._dead = f"tensor-parallel step failed: {failure if failure is not None else repr(exc)}"
+            self._dead = f"tensor-parallel step failed: {_describe(failure if failure is not None else exc)}"
             self.shutdown()
             raise EngineDeadError(self._dead) from exc
 
@@ -286,15 +287,14 @@ class TensorParallelExecutor:
 
     def _wait_for_workers_to_join(self) -> None:
         """Block until every worker is about to join the groups; fail fast if one dies first."""
-        pending = {rank: f"joined/{rank}" for rank in range(1, self.world_size)}
-        waited = 0.0
+        pending = set(range(1, self.world_size))
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
         while pending:
             ready, _ = ray.wait(self._loops, num_returns=1, timeout=0.1)
             if ready:  # a worker left `run` before joining: it failed
                 raise WorkerStartError("a worker failed before joining")
-            pending = {rank: key for rank, key in pending.items() if not self._store.check([key])}
-            waited += 0.1
-            if waited > RENDEZVOUS_TIMEOUT.total_seconds():
+            pending = {rank for rank in pending if not self._store.check([_joined_key(rank)])}
+            if pending and time.monotonic() > deadline:
                 raise WorkerStartError(
                     f"tensor-parallel rank(s) {sorted(pending)} did not start within "
                     f"{RENDEZVOUS_TIMEOUT.total_seconds():.0f} s"
@@ -315,10 +315,10 @@ class TensorParallelExecutor:
             key = _failure_key(rank)
             if self._store.check([key]):
                 reported = pickle.loads(self._store.get(key))
-                if isinstance(reported, BaseException):
+                if isinstance(reported, EngineError):  # e.g. ModelLoadError: re-raised as rank 0's own
                     reported.add_note(f"(raised on tensor-parallel rank {rank})")
                     return reported
-                return f"rank {rank} raised {reported}"
+                return f"worker rank {rank} raised {_describe(reported)}"
         for ref in ready:
             rank = 1 + self._loops.index(ref)
             try:
@@ -329,6 +329,12 @@ class TensorParallelExecutor:
                 return f"worker rank {rank} failed ({_first_line(exc)})"
             return f"worker rank {rank} left its loop"
         return None
+
+
+def _describe(failure: BaseException | str) -> str:
+    if isinstance(failure, BaseException):
+        return f"{type(failure).__name__}: {failure}"
+    return failure
 
 
 def _first_line(exc: BaseException) -> str:

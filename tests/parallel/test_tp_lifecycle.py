@@ -66,3 +66,20 @@ def test_killed_worker_fails_the_engine_with_a_clear_error_and_a_new_engine_star
         assert greedy(replacement) == hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS, ignore_eos=True)
     finally:
         replacement.shutdown()
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(120)
+def test_an_exception_on_a_worker_reaches_the_engine_as_its_error(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), **SETTINGS)
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    # break rank 1's forward pass from inside its actor (the worker serves calls beside its step loop)
+    worker = engine.executor.workers[0]
+    ray.get(worker.__ray_call__.remote(lambda actor: setattr(actor.runner, "execute_model", None)))
+
+    with pytest.raises(EngineDeadError, match=r"worker rank 1 raised TypeError: 'NoneType' object is not callable"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    llm.shutdown()
