@@ -28,6 +28,8 @@ FLAG_HELP = {
     "max_waiting_requests": "answer 429 with Retry-After once this many requests wait in a replica",
     "num_replicas": "a fixed number of replicas (disables autoscaling)",
     "target_queue_depth": "autoscaling target: engine queue depth (waiting + running) per replica",
+    "otlp_traces_endpoint": "trace every request: http://host:4318/v1/traces (OTLP/HTTP), grpc://host:4317 "
+                            "(OTLP/gRPC) or console; OTEL_* variables also apply (default: off)",
 }
 
 

@@ -17,14 +17,14 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.api import build_api
 from app.observability import ReplicaObservability
 from app.serving import OpenAIServing
 from app.tracing import make_tracer_provider, tracing_requested
-from engine import AsyncLLMEngine, EngineConfig
+from engine import AsyncLLMEngine, EngineConfig, SamplingParams
 
 MODEL = "tiny"
 REPLICA = "replica-under-test"
@@ -163,6 +163,24 @@ async def test_a_preempted_request_shows_preemption_and_resume_events(tiny_llama
         resumed_at = min(e.timestamp for e in events if e.name == "resumed")
         assert preempted_at <= resumed_at
         assert decode.attributes["gen_ai.usage.output_tokens"] == 24
+
+
+async def test_a_client_that_leaves_gives_an_aborted_error_span_and_an_abort_count(tiny_llama_dir):
+    exporter = InMemorySpanExporter()
+    async with observed_replica(tiny_llama_dir, span_exporter=exporter) as (client, obs, _):
+        stream = obs.engine.generate([7, 8, 9], SamplingParams(max_tokens=100, ignore_eos=True),
+                                     request_id="cmpl-leaves-0")
+        first = await anext(stream)
+        await stream.aclose()  # what app/serving.py does when the HTTP client disconnects
+        spans = finished_spans(obs, exporter)
+        metrics = (await client.get("/metrics")).text
+    server = trees(spans)["cmpl-leaves"]["server"]
+    assert tuple(server.attributes["gen_ai.response.finish_reasons"]) == ("abort",)
+    assert server.status.status_code is StatusCode.ERROR
+    assert server.attributes["gen_ai.usage.output_tokens"] == len(first.outputs[0].token_ids)
+    aborted = [s.value for family in text_string_to_metric_families(metrics) for s in family.samples
+               if s.name == "shardserve:request_success_total" and s.labels["finished_reason"] == "abort"]
+    assert aborted == [1.0]
 
 
 class OTLPReceiver(ThreadingHTTPServer):
