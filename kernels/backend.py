@@ -64,7 +64,7 @@ def _triton_backend() -> KernelBackend:
 
 def triton_interpreter_enabled() -> bool:
     """Triton's own switch for running kernels on the CPU (read by triton at import time)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on")  # as triton parses it
 
 
 def get_backend(name: str = "auto", device_type: str = "cpu") -> KernelBackend:

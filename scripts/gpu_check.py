@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -348,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --compile-only to check the kernels compile)", file=sys.stderr)
         return 2
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if kernel_backend.triton_interpreter_enabled():
         print("gpu_check: unset TRITON_INTERPRET to run the kernels on the GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
