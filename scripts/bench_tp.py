@@ -104,12 +104,35 @@ def table(rows: list[dict], decode_batch: int, prefill_tokens: int) -> str:
     return "\n".join(lines)
 
 
+def collectives_per_step(num_layers: int) -> int:
+    """Step broadcast (length + bytes), o_proj and down_proj all-reduces, embedding all-reduce, logits all-gather."""
+    return 2 + 2 * num_layers + 1 + 1
+
+
+def overhead_lines(rows: list[dict]) -> list[str]:
+    """Each TP size's step time above an ideal 1/tp split of TP=1's, per collective of the step."""
+    base = next((row for row in rows if row["tp"] == 1), None)
+    if base is None:
+        return []
+    lines = []
+    for row in rows:
+        if row["tp"] == 1:
+            continue
+        count = collectives_per_step(row["layers"])
+        parts = []
+        for kind in ("decode", "prefill"):
+            extra = row[f"{kind}_ms"] - base[f"{kind}_ms"] / row["tp"]
+            parts.append(f"{kind} {extra:.1f} ms ({extra / count:.2f} ms per collective)")
+        lines.append(f"- TP={row['tp']}: time over TP=1 / {row['tp']}: " + ", ".join(parts) + f", {count} collectives a step")
+    return lines
+
+
 def machine() -> str:
     import torch
 
     return (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, Linux {platform.release()}, "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads in rank 0), "
+        f"torch {torch.__version__} ({torch.get_num_threads()} thread(s) in rank 0, 1 in each worker), "
         f"load average {os.getloadavg()[0]:.1f} at the end"
     )
 
@@ -130,13 +153,21 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--prefill-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: the bench model)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads of rank 0 (Ray gives each worker rank one)"
+    )
     parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
     import ray
+    import torch
 
     from engine.demo_model import ensure_demo_model
+
+    # one thread per rank, as the workers get: on a shared 2-core machine two OpenMP threads
+    # spin at every op's barrier and TP=1 would measure that instead of its arithmetic
+    torch.set_num_threads(args.threads)
 
     sizes = [int(s) for s in args.tp.split(",")]
     # CPU bundles are logical: room for the largest engine's ranks whatever the core count
@@ -148,9 +179,11 @@ def main(argv: list[str] | None = None) -> str:
         rows.append(measure(model_dir, tp, args.decode_batch, args.prefill_tokens, args.repeats))
         print(f"TP={tp}: decode {rows[-1]['decode_ms']:.1f} ms, prefill {rows[-1]['prefill_ms']:.1f} ms", file=sys.stderr)
     command = "python -m scripts.bench_tp " + " ".join(argv if argv is not None else sys.argv[1:])
+    overhead = "\n".join(overhead_lines(rows))
     block = (
         f"{table(rows, args.decode_batch, args.prefill_tokens)}\n\n"
-        f"`{command.strip()}` on {machine()}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; "
+        + (f"{overhead}\n\n" if overhead else "")
+        + f"`{command.strip()}` on {machine()}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; "
         f"model {model_dir.name} ({rows[0]['layers']} layers, hidden {rows[0]['hidden']}), {DTYPE}, "
         f"median of {args.repeats} steps. All-reduced bytes = 2 × layers × tokens × hidden × 4 (o_proj and "
         f"down_proj); the vocab-parallel embedding adds one more tokens × hidden all-reduce per step."

@@ -15,9 +15,14 @@ from engine.demo_model import BOS_ID, EOS_ID, PRESETS, train_tokenizer
 ODD_VOCAB_SIZE = 1021
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_session():
-    """A local Ray for the whole session (CPU bundles are logical: 8 hold a TP=4 engine and two TP=2)."""
+    """A local Ray for a test module, unless one is connected already (then it is reused, left up).
+
+    Module scope, not session: a session fixture elsewhere (tests/app's Serve cluster) may call
+    `ray.init` after these tests, and finds no Ray left running. CPU bundles are logical: 8 CPUs
+    hold a TP=4 engine and two TP=2.
+    """
     import ray
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
