@@ -25,6 +25,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32
     prefill_context_lens: torch.Tensor  # [num_prefills] int32, cached + this chunk
+    prefill_max_query_len: int = 0  # the longest chunk, known on the host (no device sync to find it)
 
 
 class Attention(nn.Module):
@@ -64,6 +65,7 @@ class Attention(nn.Module):
                     meta.prefill_query_start_loc,
                     meta.prefill_context_lens,
                     self.scale,
+                    max_query_len=meta.prefill_max_query_len,
                 )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -98,6 +98,7 @@ def prepare_step(sched: SchedulerOutput, block_size: int) -> StepInput:
         decode_block_tables=torch.from_numpy(d_tables),
         decode_context_lens=torch.from_numpy(d_lens),
         num_prefill_tokens=int(query_start_loc[-1]),
+        prefill_max_query_len=int(query_lens.max()) if len(query_lens) else 0,
         prefill_block_tables=torch.from_numpy(p_tables),
         prefill_query_start_loc=torch.from_numpy(query_start_loc),
         prefill_context_lens=torch.from_numpy(p_lens),

@@ -70,6 +70,8 @@ def paged_prefill_attention_torch(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
     context_lens: torch.Tensor,  # [num_seqs] int32, cached tokens including this chunk
     scale: float,
+    *,
+    max_query_len: int | None = None,  # the longest chunk; default: computed from query_start_loc
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Each sequence's chunk of queries attends to its cached prefix and causally within the chunk.
 
@@ -83,7 +85,8 @@ def paged_prefill_attention_torch(
     group = num_heads // num_kv_heads
     device = query.device
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()  # [seqs]
-    max_query_len = int(query_lens.max())
+    if not max_query_len:
+        max_query_len = int(query_lens.max())
     key, value = _gather_kv(kv_cache, block_tables)  # [kv_heads, seqs, ctx, head_dim]
     max_context = key.shape[2]
 
