@@ -105,6 +105,7 @@ def main(argv=None) -> None:
     parser.add_argument("--concurrency", default="10,50")
     parser.add_argument("--num-prompts", default="20,50", help="per concurrency level")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine's token budget per step")
     parser.add_argument("--skip-pressure", action="store_true")
     parser.add_argument("--write-doc", action="store_true")
     args = parser.parse_args(argv)
@@ -120,7 +121,8 @@ def main(argv=None) -> None:
     prefix = [rng.randrange(3, vocab) for _ in range(args.shared)]
     lines = [
         f"Machine: {cpu_name()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
-        f"date {datetime.date.today().isoformat()}; bench model, {args.dtype}, block size {args.block_size}.",
+        f"date {datetime.date.today().isoformat()}; bench model, {args.dtype}, block size {args.block_size}, "
+        f"max_num_batched_tokens {args.max_num_batched_tokens}.",
         "",
         f"Shared prefix: {args.shared} shared + {args.unique} unique prompt tokens, {args.output_len} output "
         "tokens (ignore_eos), closed-loop clients.",
@@ -134,7 +136,8 @@ def main(argv=None) -> None:
         runs = {}
         for caching in (False, True):
             runs[caching] = measure(model_dir, args.dtype, prompts, args.output_len, concurrency,
-                                    enable_prefix_caching=caching, block_size=args.block_size)
+                                    enable_prefix_caching=caching, block_size=args.block_size,
+                                    max_num_batched_tokens=args.max_num_batched_tokens)
             print(concurrency, "caching" if caching else "no caching", runs[caching], flush=True)
         off, on = runs[False], runs[True]
         for caching, r in ((False, off), (True, on)):
@@ -163,7 +166,7 @@ def main(argv=None) -> None:
         for mode in ("recompute", "swap"):
             r = measure(model_dir, args.dtype, prompts, args.output_len, concurrency, preemption_mode=mode,
                         num_kv_blocks=num_blocks, enable_prefix_caching=False, block_size=args.block_size,
-                        swap_space=1.0)
+                        swap_space=1.0, max_num_batched_tokens=args.max_num_batched_tokens)
             print("pressure", mode, r, flush=True)
             lines.append(
                 f"| {mode} | {r['tok_s']:.0f} | {r['tpot_p95'] * 1e3:.0f} | {r['ttft_mean']:.2f} | "
