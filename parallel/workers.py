@@ -137,16 +137,21 @@ class TensorParallelWorker:
 
 
 def ensure_ray(world_size: int) -> None:
-    """Connect to Ray if this process is not: RAY_ADDRESS's cluster, else a new local one."""
+    """Connect to Ray if this process is not: the cluster RAY_ADDRESS names, else a new local one
+    of this process's own (never an unrelated `ray start` cluster that happens to run here)."""
     if ray.is_initialized():
         return
     # every Ray port on 127.0.0.1 only; must be set before Ray starts
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level=logging.WARNING)
-    else:
-        # CPU bundles are logical: a 2-core machine still hosts TP=4 (slowly)
-        ray.init(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, world_size), logging_level=logging.WARNING)
+        return
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        num_cpus=max(os.cpu_count() or 1, world_size),  # CPU bundles are logical: TP=4 fits on 2 cores
+        logging_level=logging.WARNING,
+    )
 
 
 @dataclass

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import ray
@@ -83,3 +88,31 @@ def test_an_exception_on_a_worker_reaches_the_engine_as_its_error(tiny_llama_dir
         while engine.has_unfinished_requests():
             engine.step()
     llm.shutdown()
+
+
+OFFLINE_SCRIPT = """
+import json, sys
+import ray
+from engine.config import SamplingParams
+from engine.llm_engine import LLM
+
+assert not ray.is_initialized()
+llm = LLM(sys.argv[1], tensor_parallel_size=2, block_size=8, num_kv_blocks=64, max_model_len=256)
+outputs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+print(json.dumps({"ray_started": ray.is_initialized(), "tokens": [o.outputs[0].token_ids for o in outputs]}))
+llm.shutdown()
+ray.shutdown()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_offline_llm_starts_a_local_ray_when_none_is_connected(tiny_llama_dir, hf_greedy):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the engine sets it too; the test never relies on that
+    run = subprocess.run(
+        [sys.executable, "-c", OFFLINE_SCRIPT, str(tiny_llama_dir), json.dumps(PROMPTS)],
+        capture_output=True, text=True, env=env, timeout=170, cwd=Path(__file__).resolve().parents[2],
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {"ray_started": True, "tokens": hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS, ignore_eos=True)}
