@@ -34,6 +34,7 @@ class LLMEngine:
         self.executor = self._make_executor()
         num_blocks = self.executor.num_blocks
         if num_blocks * config.block_size < self.max_model_len:
+            self.shutdown()  # a tensor-parallel executor holds worker actors and a placement group
             raise ValueError(
                 f"the KV cache holds {num_blocks * config.block_size} tokens ({num_blocks} blocks of "
                 f"{config.block_size}), fewer than max_model_len ({self.max_model_len}): give it more memory "

@@ -116,3 +116,18 @@ def test_offline_llm_starts_a_local_ray_when_none_is_connected(tiny_llama_dir, h
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result == {"ray_started": True, "tokens": hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS, ignore_eos=True)}
+
+
+def _live_placement_groups() -> set[str]:
+    from ray.util import placement_group_table
+
+    return {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(120)
+def test_an_engine_refused_at_startup_releases_its_placement_group(tiny_llama_dir):
+    before = _live_placement_groups()
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, block_size=8, num_kv_blocks=4, max_model_len=256)
+    assert _live_placement_groups() == before
