@@ -261,6 +261,23 @@ class TensorParallelExecutor:
             self.shutdown()
             raise EngineDeadError(self._dead) from exc
 
+    @property
+    def num_host_blocks(self) -> int:
+        """Swap preemption's host pool: each rank holds one of this many blocks (its own KV heads)."""
+        return self.runner.num_host_blocks
+
+    def poll_swap_outs(self) -> list[int]:
+        """Swap-outs rank 0 finished copying. A slower rank waits for its own copy before it
+        writes those blocks again (engine/swap.py), so rank 0's word frees them for the scheduler."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        return self.runner.poll_swap_outs()
+
+    def wait_swap_outs(self) -> list[int]:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        return self.runner.wait_swap_outs()
+
     def memory(self) -> list[RankMemory]:
         """Every rank's weight and KV-cache bytes, in rank order."""
         if self._dead is not None:

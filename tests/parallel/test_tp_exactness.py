@@ -19,11 +19,14 @@ MAX_TOKENS = 20
 # scheduler preempts and recomputes.
 CHUNKED_AND_PREEMPTING = dict(block_size=8, num_kv_blocks=16, max_model_len=128, max_num_batched_tokens=16)
 ROOMY = dict(block_size=8, num_kv_blocks=64, max_model_len=128)
+# The same squeeze, preempting by swapping KV blocks to each rank's host pool and back.
+SWAPPING = dict(CHUNKED_AND_PREEMPTING, preemption_mode="swap", swap_space=64 * 16384 / 2**30)
 
 # (model fixture, tp, engine settings, what the case is about)
 CASES = [
     ("tiny_llama_dir", 2, CHUNKED_AND_PREEMPTING, "llama-gqa-tp-equals-kv-heads"),
     ("tiny_llama_dir", 4, CHUNKED_AND_PREEMPTING, "llama-kv-heads-replicated"),
+    ("tiny_llama_dir", 2, SWAPPING, "llama-swap-preemption"),
     ("tiny_qwen2_dir", 2, CHUNKED_AND_PREEMPTING, "qwen2-bias-tied"),
     ("tiny_qwen2_dir", 4, ROOMY, "qwen2-bias-tied-kv-replicated"),
     ("tiny_llama_odd_vocab_dir", 2, ROOMY, "vocab-1021-padded-to-1022"),
@@ -75,9 +78,10 @@ def test_greedy_tokens_equal_tp1_and_hugging_face(tp_case, tp1_engines, hf_greed
 
     assert greedy(tp1_engines(model_dir, settings), prompts) == expected
     assert greedy(llm, prompts) == expected
-    if settings is CHUNKED_AND_PREEMPTING:
+    if settings in (CHUNKED_AND_PREEMPTING, SWAPPING):
         assert llm.engine.num_mixed_steps > 0, "no prefill chunk ran beside decodes"
-        assert llm.engine.scheduler.num_preemptions > 0, "nothing was preempted"
+        mode = settings.get("preemption_mode", "recompute")
+        assert llm.engine.scheduler.num_preemptions_by_mode[mode] > 0, f"nothing was preempted by {mode}"
 
 
 def test_each_rank_holds_a_tp_share_of_weights_and_kv_cache(tp_case, tp1_engines):
