@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -188,7 +189,7 @@ def make_span_exporter(endpoint: str | None):
     if endpoint == "console" or (endpoint is None and (_env("OTEL_TRACES_EXPORTER") or "") == "console"):
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-        return ConsoleSpanExporter()
+        return ConsoleSpanExporter(out=sys.stdout)  # today's stdout, not the one bound at import
     if endpoint is not None and urlsplit(endpoint).scheme not in ("http", "https", "grpc"):
         raise TracingConfigError(
             f"otlp_traces_endpoint {endpoint!r} must be `console`, http(s)://host:4318/v1/traces or grpc://host:4317")

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.api import build_api
 from app.observability import ReplicaObservability
 from app.serving import OpenAIServing
-from app.tracing import make_tracer_provider, tracing_requested
+from app.tracing import TracingConfigError, make_tracer_provider, tracing_requested
 from engine import AsyncLLMEngine, EngineConfig, SamplingParams
 
 MODEL = "tiny"
@@ -329,3 +329,55 @@ def wait_for_ray_export(prefix: str, label: str, timeout_s: float = 90) -> str:
             return lines[0]
         assert time.monotonic() < deadline, f"{prefix}...{label} not in Ray's metrics export after {timeout_s} s"
         time.sleep(0.5)
+
+
+@pytest.fixture
+def otlp_grpc_receiver():
+    """A minimal OTLP/gRPC TraceService on 127.0.0.1 keeping every ExportTraceServiceRequest."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list = []
+
+    class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 - the gRPC method's name
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"grpc://127.0.0.1:{port}", received
+    server.stop(grace=None)
+
+
+async def test_spans_are_exported_over_otlp_grpc_for_a_grpc_url(tiny_llama_dir, otlp_grpc_receiver, monkeypatch):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+    url, received = otlp_grpc_receiver
+    async with observed_replica(tiny_llama_dir, otlp_traces_endpoint=url) as (client, obs, _):
+        body = await complete(client, prompt_ids(6, seed=5), max_tokens=2)
+        obs.tracer_provider.force_flush()
+    spans = [span for request in received for resource in request.resource_spans
+             for scope in resource.scope_spans for span in scope.spans]
+    assert sorted(s.name for s in spans) == sorted([f"text_completion {MODEL}", "queue", "prefill", "decode"])
+    server = next(s for s in spans if s.name.startswith("text_completion"))
+    assert {kv.key: kv.value.string_value for kv in server.attributes}["gen_ai.response.id"] == body["id"]
+
+
+async def test_console_prints_each_span(tiny_llama_dir, capsys):
+    async with observed_replica(tiny_llama_dir, otlp_traces_endpoint="console") as (client, obs, _):
+        body = await complete(client, prompt_ids(6, seed=6), max_tokens=2)
+        obs.tracer_provider.force_flush()
+    out = capsys.readouterr().out
+    for name in (f"text_completion {MODEL}", "queue", "prefill", "decode"):
+        assert f'"name": "{name}"' in out
+    assert body["id"] in out
+
+
+def test_an_endpoint_without_a_known_scheme_is_rejected():
+    with pytest.raises(TracingConfigError, match="must be `console`"):
+        make_tracer_provider("collector:4318")
