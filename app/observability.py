@@ -32,7 +32,7 @@ class RequestRecord:
     operation: str  # "chat" | "text_completion"
     model: str
     num_prompt_tokens: int
-    num_output_tokens: int
+    num_output_tokens: int  # over all choices
     num_cached_tokens: int
     max_tokens: int
     temperature: float
@@ -46,6 +46,7 @@ class RequestRecord:
     preemptions: list[float] = field(default_factory=list)
     resumes: list[float] = field(default_factory=list)
     received_time: float | None = None  # when the replica's API handed the request to the engine
+    longest_choice_tokens: int | None = None  # output tokens of the longest choice (n > 1); None = all of them
 
     @property
     def response_id(self) -> str:
@@ -72,9 +73,11 @@ class RequestRecord:
     @property
     def time_per_output_token(self) -> float | None:
         """Mean time between output tokens after the first (None with fewer than two tokens)."""
-        if self.first_token_time is None or self.num_output_tokens < 2:
+        # the request finishes with its longest choice, whose tokens came one per step after the first
+        num_tokens = self.longest_choice_tokens or self.num_output_tokens
+        if self.first_token_time is None or num_tokens < 2:
             return None
-        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+        return (self.finished_time - self.first_token_time) / (num_tokens - 1)
 
     @property
     def e2e_latency(self) -> float:
@@ -105,27 +108,27 @@ class ObservedEngine:
         received = time.time()
         parent = otel_context.get_current() if self.tracer is not None else None
         stream = self.engine.generate(prompt_token_ids, sampling_params, request_id=request_id, prompt=prompt)
-        num_output_tokens = 0
+        tokens_per_choice: dict[int, int] = {}
         finish_reasons: dict[int, str] = {}
         last = None
         try:
             async for delta in stream:
                 for out in delta.outputs:
-                    num_output_tokens += len(out.token_ids)
+                    tokens_per_choice[out.index] = tokens_per_choice.get(out.index, 0) + len(out.token_ids)
                     if out.finish_reason is not None:
                         finish_reasons[out.index] = out.finish_reason
                 last = delta
                 if delta.finished:
-                    self._observe(delta, sampling_params, num_output_tokens, finish_reasons, received, parent)
+                    self._observe(delta, sampling_params, tokens_per_choice, finish_reasons, received, parent)
                 yield delta
         finally:
             await stream.aclose()
             if last is not None and not last.finished:  # the client left: the engine aborted the request
                 for i in range(sampling_params.n):
                     finish_reasons.setdefault(i, "abort")
-                self._observe(last, sampling_params, num_output_tokens, finish_reasons, received, parent)
+                self._observe(last, sampling_params, tokens_per_choice, finish_reasons, received, parent)
 
-    def _observe(self, final, params, num_output_tokens: int, finish_reasons: dict[int, str], received: float,
+    def _observe(self, final, params, tokens_per_choice: dict[int, int], finish_reasons: dict[int, str], received: float,
                  parent) -> None:
         if self.tracer is None and self.metrics is None:
             return
@@ -133,14 +136,14 @@ class ObservedEngine:
             m = final.metrics
             record = RequestRecord(
                 request_id=final.request_id, operation=operation_of(final.request_id), model=self.model_name,
-                num_prompt_tokens=len(final.prompt_token_ids), num_output_tokens=num_output_tokens,
+                num_prompt_tokens=len(final.prompt_token_ids), num_output_tokens=sum(tokens_per_choice.values()),
                 num_cached_tokens=final.num_cached_tokens, max_tokens=params.max_tokens,
                 temperature=params.temperature, top_p=params.top_p,
                 finish_reasons=[finish_reasons[i] for i in sorted(finish_reasons)],
                 arrival_time=m.arrival_time, first_scheduled_time=m.first_scheduled_time,
                 first_token_time=m.first_token_time, finished_time=m.finished_time or time.time(),
                 prefill_chunks=list(m.prefill_chunks), preemptions=list(m.preemptions), resumes=list(m.resumes),
-                received_time=received,
+                received_time=received, longest_choice_tokens=max(tokens_per_choice.values(), default=0),
             )
             if self.metrics is not None:
                 self.metrics.observe_finished(record)

@@ -103,6 +103,21 @@ async def test_one_request_gives_a_server_span_with_queue_prefill_and_decode_chi
     assert [e.attributes["num_tokens"] for e in chunks] == [20]
 
 
+async def test_n_choices_sum_their_tokens_and_time_per_token_follows_one_choice(tiny_llama_dir):
+    exporter = InMemorySpanExporter()
+    async with observed_replica(tiny_llama_dir, span_exporter=exporter) as (client, obs, _):
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt_ids(10, seed=7), "n": 2,
+                                                       "max_tokens": 5, "seed": 1, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        spans = finished_spans(obs, exporter)
+    tree = trees(spans)[r.json()["id"]]
+    assert tree["server"].attributes["gen_ai.usage.output_tokens"] == 10 == r.json()["usage"]["completion_tokens"]
+    assert tuple(tree["server"].attributes["gen_ai.response.finish_reasons"]) == ("length", "length")
+    decode = tree["decode"]
+    assert decode.attributes["shardserve.time_per_output_token"] == pytest.approx(
+        (decode.end_time - decode.start_time) / 1e9 / 4, abs=1e-6)
+
+
 async def test_a_chat_request_is_named_chat_and_joins_the_callers_trace(tiny_llama_dir):
     exporter = InMemorySpanExporter()
     trace_id, caller_span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
