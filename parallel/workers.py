@@ -6,8 +6,10 @@ shard's forward; the workers run the same forward on theirs, and the row-paralle
 and the LM head's all-gather tie the ranks together. Rank 0 returns the full logits.
 
 Workers run a loop (`TensorParallelWorker.run`: receive a step, run it, until a None step)
-rather than one Ray call per step: a step then costs one gloo broadcast (~0.5 ms at world
-size 2) instead of a Ray task submission, result object and `ray.get` per worker per step.
+rather than one Ray call per step: a step's message then costs two small gloo broadcasts (its
+length, its bytes; well under a millisecond each at world size 2) instead of a Ray task
+submission, a result object and a `ray.get` per worker per step. Swap preemption works as at
+TP=1: each rank copies its own heads of the swapped blocks (engine/swap.py).
 
 Failure: a worker that raises writes its exception to the engine's rendezvous store and exits
 its process, so its sockets close. A killed worker closes them too. Rank 0's next collective
