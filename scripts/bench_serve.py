@@ -74,7 +74,9 @@ class ServerProcess:
         log_path: str | None = None,
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
+        stop_grace_s: float = 60.0,
     ):
+        self.stop_grace_s = stop_grace_s  # how long SIGTERM gets before the process group is killed
         self.model_dir = str(model_dir)
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -115,6 +117,8 @@ class ServerProcess:
 
     def start(self, timeout_s: float = 300.0) -> ServerProcess:
         """Launch and wait until GET /health answers 200 (raises ServerStartError with the log's tail)."""
+        if self.process is not None:
+            raise ServerStartError(f"already started (pid {self.process.pid})")
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 self.command,
@@ -139,7 +143,7 @@ class ServerProcess:
         self.stop()
         raise ServerStartError(f"no /health answer within {timeout_s:.0f} s:\n{self.log_tail()}")
 
-    def stop(self, grace_s: float = 60.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM (the server shuts Serve and Ray down); SIGKILL to its process group for anything left after."""
         if self.process is None:
             return
@@ -147,10 +151,11 @@ class ServerProcess:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=grace_s)
+                self.process.wait(timeout=self.stop_grace_s if grace_s is None else grace_s)
             except subprocess.TimeoutExpired:
-                pass
-        deadline = time.monotonic() + 10
+                os.killpg(pgid, signal.SIGKILL)
+                self.process.wait(timeout=30)  # reaped, so the group check below does not see it
+        deadline = time.monotonic() + 10  # a clean exit: its children may still be on their way out
         while _group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.2)
         if _group_alive(pgid):
@@ -164,7 +169,7 @@ class ServerProcess:
             return "(no log)"
 
     def __enter__(self) -> ServerProcess:
-        return self.start()
+        return self if self.process is not None else self.start()  # `with server.start(...)` starts once
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import sys
 
 import matplotlib.image
 import pytest
@@ -75,3 +76,30 @@ async def test_a_wrong_api_key_fails_every_request_against_shardserve(served, tm
     summary = result.summaries[0]
     assert (summary.successes, summary.failures) == (0, 4)
     assert summary.errors.startswith("4 x HTTP 401")
+
+
+HEALTH_SERVER = """
+import http.server, os, signal, sys
+with open(sys.argv[1], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a server that will not stop politely
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Health).serve_forever()
+"""
+
+
+def test_a_server_is_started_once_and_stopped_with_everything_it_started(tmp_path):
+    pids = tmp_path / "pids"
+    server = ServerProcess("unused", command=[sys.executable, "-c", HEALTH_SERVER, str(pids)], stop_grace_s=1)
+    with server.start(timeout_s=60) as started:
+        assert started is server
+    (pid,) = pids.read_text().split()  # one process, though both start() and `with` were used
+    assert int(pid) == server.process.pid
+    server.stop()  # idempotent
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.process.pid, 0)  # SIGTERM was ignored: the group was killed
