@@ -21,9 +21,16 @@ run: install
 test: install
 	$(PY) -m pytest -q -ra --durations=15
 
+# Every figure in docs/BENCHMARKS.md (about 40 minutes on 2 cores): offline engine vs HF vs the
+# forward-pass limit, the serving load test (shardserve bench), TP step times, prefix caching and
+# swap, tracing overhead. Each step rewrites its own block of the doc.
 bench: install
-	$(PY) -m scripts.bench_engine
+	$(PY) -m scripts.bench_engine --write-doc
 	bash scripts/run_bench.sh
+	$(PY) -m scripts.bench_tp
+	$(PY) -m scripts.bench_prefix --write-doc
+	$(PY) -m scripts.bench_tracing
+	$(PY) -m scripts.bench_tracing --micro
 
 lint: install
 	$(VENV)/bin/ruff check .

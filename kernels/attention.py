@@ -94,6 +94,18 @@ def paged_prefill_attention_torch(
     offsets = torch.arange(max_query_len, device=device)  # [max_q]
     valid_q = offsets[None, :] < query_lens[:, None]  # [seqs, max_q]
     token_index = (query_start_loc[:-1, None].long() + offsets[None, :]).masked_fill(~valid_q, 0)
+
+    if bool((context_lens.long() == query_lens).all()):
+        # Fresh prompts (nothing cached before the chunk): plain causal attention, which SDPA runs
+        # without a mask and skips the masked half. Query i sees keys 0..i of its own sequence,
+        # all valid even in a padded row; padded queries are dropped below.
+        q = query[token_index.reshape(-1)].view(num_seqs, max_query_len, num_heads, head_dim).transpose(1, 2)
+        k = key[:, :, :max_query_len].repeat_interleave(group, dim=0).transpose(0, 1)  # [seqs, heads, max_q, d]
+        v = value[:, :, :max_query_len].repeat_interleave(group, dim=0).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # [seqs, heads, max_q, d]
+        out = out.transpose(1, 2).reshape(num_seqs * max_query_len, num_heads, head_dim)
+        return out[valid_q.reshape(-1)]
+
     q = query[token_index.reshape(-1)].view(num_seqs, max_query_len, num_kv_heads, group, head_dim)
     q = q.permute(2, 0, 3, 1, 4).reshape(num_kv_heads, num_seqs, group * max_query_len, head_dim)
 
