@@ -274,6 +274,9 @@ def _tp_rank(rank: int, tp: int, model_dir: str, next_tokens: list[int], store: 
         logits = prefill_then_decode(model, next_tokens)
         if rank == 0:
             torch.save(logits, out)
+        # Tear down only once every rank is done: a rank destroying its gloo context while a peer
+        # still talks to it aborts the peer ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
