@@ -27,6 +27,7 @@ test: install
 bench: install
 	$(PY) -m scripts.bench_engine --write-doc
 	bash scripts/run_bench.sh
+	$(PY) -m scripts.bench_serve_overhead --write-doc
 	$(PY) -m scripts.bench_tp
 	$(PY) -m scripts.bench_prefix --write-doc
 	$(PY) -m scripts.bench_tracing
