@@ -17,9 +17,10 @@ import random
 import statistics
 import subprocess
 import time
-from pathlib import Path
 
 import torch
+
+from scripts.doc_blocks import rewrite_block
 
 BEGIN, END = "<!-- engine-bench:begin -->", "<!-- engine-bench:end -->"
 
@@ -131,18 +132,6 @@ def bench_hf(model_dir: str, dtype: str, prompts, output_len: int, batch: int = 
     return {"seconds": elapsed, "tok_s": generated / elapsed}
 
 
-def write_doc(table: str, command: str) -> None:
-    doc = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{table}\n\nCommand: `{command}`\n{END}"
-    if BEGIN in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text += f"\n## Engine (offline)\n\n{block}\n"
-    doc.write_text(text)
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF directory (default: the bench-shaped demo model)")
@@ -189,7 +178,8 @@ def main(argv=None) -> None:
     table = "\n".join(lines)
     print(table)
     if args.write_doc:
-        write_doc(table, "make bench  (python -m scripts.bench_engine --write-doc)")
+        command = "make bench  (python -m scripts.bench_engine --write-doc)"
+        rewrite_block(BEGIN, END, f"{table}\n\nCommand: `{command}`", "Engine (offline)")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,10 @@ import datetime
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
+
+from scripts.doc_blocks import rewrite_block
 
 BEGIN, END = "<!-- prefix-bench:begin -->", "<!-- prefix-bench:end -->"
 
@@ -81,18 +82,6 @@ def measure(model_dir: str, dtype: str, prompts, output_len: int, concurrency: i
         return result
     finally:
         engine.shutdown()
-
-
-def write_doc(text_block: str) -> None:
-    doc = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
-    text = doc.read_text()
-    block = f"{BEGIN}\n{text_block}\n{END}"
-    if BEGIN in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text += f"\n## Prefix caching and swap\n\n{block}\n"
-    doc.write_text(text)
 
 
 def main(argv=None) -> None:
@@ -177,7 +166,7 @@ def main(argv=None) -> None:
     table = "\n".join(lines)
     print(table)
     if args.write_doc:
-        write_doc(table)
+        rewrite_block(BEGIN, END, table, "Prefix caching and swap")
 
 
 if __name__ == "__main__":

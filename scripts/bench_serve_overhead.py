@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from scripts.bench_serve import ServerProcess
+from scripts.doc_blocks import rewrite_block
 
 BEGIN, END = "<!-- serve-overhead:begin -->", "<!-- serve-overhead:end -->"
 
@@ -116,16 +117,8 @@ def main(argv=None) -> None:
     table = "\n".join(lines)
     print(table)
     if args.write_doc:
-        doc = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
-        text = doc.read_text()
-        block = f"{BEGIN}\n{table}\n\nCommand: `python -m scripts.bench_serve_overhead --write-doc`\n{END}"
-        if BEGIN in text:
-            head, rest = text.split(BEGIN, 1)
-            text = head + block + rest.split(END, 1)[1]
-        else:
-            text += f"\n## Serving path overhead\n\n{block}\n"
-        doc.write_text(text)
-
+        body = f"{table}\n\nCommand: `python -m scripts.bench_serve_overhead --write-doc`"
+        rewrite_block(BEGIN, END, body, "Serving path overhead")
 
 if __name__ == "__main__":
     main()
