@@ -4,6 +4,7 @@ import argparse
 import random
 
 import pytest
+from scheduler_steps import run_step
 
 from app.cli import add_serve_flags, serve_args_from
 from app.config import ServeArgs
@@ -77,14 +78,6 @@ def add(scheduler, tokens, max_tokens=4):
     request = Request(f"p{next(_ids)}", None, tokens, SamplingParams(max_tokens=max_tokens))
     scheduler.add(request.seqs[0])
     return request.seqs[0]
-
-
-def run_step(out, new_token=7):
-    for chunk in out.chunks:
-        completes = chunk.completes_sequence
-        chunk.seq.num_computed_tokens += chunk.num_tokens
-        if completes:
-            chunk.seq.append_token(new_token, None)
 
 
 def test_block_hash_names_the_tokens_and_the_whole_history():

@@ -1,6 +1,7 @@
 """Scheduler and block manager: exact block ids, token budgets, chunking, preemption."""
 
 import pytest
+from scheduler_steps import run_step
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SamplingParams
@@ -29,15 +30,6 @@ def add_request(scheduler, prompt_len, max_tokens=8):
     for seq in request.seqs:
         scheduler.add(seq)
     return request.seqs[0]
-
-
-def run_step(sched_out, new_token=7):
-    """What the engine does after a forward pass: advance computed tokens, append sampled tokens."""
-    for chunk in sched_out.chunks:
-        completes = chunk.completes_sequence
-        chunk.seq.num_computed_tokens += chunk.num_tokens
-        if completes:
-            chunk.seq.append_token(new_token, None)
 
 
 def test_prompt_blocks_are_allocated_in_order_from_the_free_pool():

@@ -5,6 +5,7 @@ import threading
 
 import pytest
 import torch
+from scheduler_steps import run_step
 
 from engine import SamplingParams
 from engine.block_manager import BlockManager
@@ -64,14 +65,6 @@ def add(scheduler, prompt_len, max_tokens=8):
     request = Request(f"s{random.random()}", None, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens))
     scheduler.add(request.seqs[0])
     return request.seqs[0]
-
-
-def run_step(out, new_token=7):
-    for chunk in out.chunks:
-        completes = chunk.completes_sequence
-        chunk.seq.num_computed_tokens += chunk.num_tokens
-        if completes:
-            chunk.seq.append_token(new_token, None)
 
 
 def live(scheduler):
