@@ -31,7 +31,7 @@ class ServeArgs(BaseModel):
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space: float = Field(4.0, ge=0)
     seed: int = 0
-    kernel_backend: Literal["auto", "torch", "triton"] = "auto"
+    kernel_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     # HTTP
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)

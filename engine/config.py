@@ -117,7 +117,7 @@ class EngineConfig(BaseModel):
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space: float = Field(4.0, ge=0)
     tensor_parallel_size: int = Field(1, ge=1)
-    kernel_backend: Literal["auto", "torch", "triton"] = "auto"
+    kernel_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     watermark: float = Field(0.01, ge=0, lt=1)
 
     @field_validator("block_size")

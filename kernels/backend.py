@@ -1,6 +1,8 @@
-"""The one entry point the model code calls: picks Triton kernels or the torch references.
+"""The one entry point the model code calls: picks Triton kernels, native CPU kernels or the torch references.
 
-`auto` runs Triton on CUDA and the torch references on CPU. `triton` on CPU runs the kernels in
+`auto` runs Triton on CUDA; on CPU, the torch references with shardserve's native C++ decode
+attention (kernels/cpu_native.py) where it builds, else the plain references. `cpu` insists on the
+native kernels; `torch` is the references alone. `triton` on CPU runs the kernels in
 Triton's interpreter, which only works when TRITON_INTERPRET=1 was set before the process first
 imported triton (the tests do that). Triton is imported only when a Triton backend is asked for, so
 CPU users never pay for it. Every op has the signature of its `*_torch` reference.
@@ -8,11 +10,15 @@ CPU users never pay for it. Every op has the signature of its `*_torch` referenc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
+from kernels import cpu_native
 from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_decode_attention_torch, paged_prefill_attention_torch
 from kernels.cache import write_kv_cache_torch
@@ -62,17 +68,46 @@ def _triton_backend() -> KernelBackend:
     )
 
 
+@functools.cache
+def _native_cpu_backend() -> KernelBackend | None:
+    """The references with the native decode attention, or None where the extension can't be built."""
+    if cpu_native.load() is None:
+        return None
+
+    def paged_decode_attention(query, kv_cache, block_tables, context_lens, scale):
+        if (
+            query.dtype in (torch.float32, torch.bfloat16)
+            and block_tables.dtype == torch.int32
+            and context_lens.dtype == torch.int32
+        ):
+            return cpu_native.paged_decode_attention_native(query, kv_cache, block_tables, context_lens, scale)
+        return paged_decode_attention_torch(query, kv_cache, block_tables, context_lens, scale)
+
+    return dataclasses.replace(TORCH, name="cpu", paged_decode_attention=paged_decode_attention)
+
+
 def triton_interpreter_enabled() -> bool:
     """Triton's own switch for running kernels on the CPU (read by triton at import time)."""
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on")  # as triton parses it
 
 
 def get_backend(name: str = "auto", device_type: str = "cpu") -> KernelBackend:
-    """`auto`: Triton on CUDA, torch on CPU. `triton`: CUDA, or CPU under TRITON_INTERPRET=1. `torch`: references."""
+    """`auto`: Triton on CUDA, native (else torch) on CPU. `cpu`: the native CPU kernels.
+    `triton`: CUDA, or CPU under TRITON_INTERPRET=1. `torch`: the references."""
     if name == "torch":
         return TORCH
     if name == "auto":
-        return _triton_backend() if device_type == "cuda" else TORCH
+        if device_type == "cuda":
+            return _triton_backend()
+        return (_native_cpu_backend() or TORCH) if device_type == "cpu" else TORCH
+    if name == "cpu":
+        native = _native_cpu_backend() if device_type == "cpu" else None
+        if native is None:
+            raise ValueError(
+                f"kernel backend 'cpu' needs a CPU device and the native kernels built (device {device_type!r}; "
+                "see kernels/cpu_native.py: a C++ compiler, ninja, SHARDSERVE_CPU_KERNELS not 0)"
+            )
+        return native
     if name == "triton":
         if device_type == "cuda" or (device_type == "cpu" and triton_interpreter_enabled()):
             return _triton_backend()
@@ -80,4 +115,4 @@ def get_backend(name: str = "auto", device_type: str = "cpu") -> KernelBackend:
             f"kernel backend 'triton' needs a CUDA device (got {device_type!r}); on CPU set TRITON_INTERPRET=1 "
             "before starting Python to run the kernels in Triton's interpreter, or use 'torch' or 'auto'"
         )
-    raise ValueError(f"unknown kernel backend {name!r}: choose 'auto', 'torch' or 'triton'")
+    raise ValueError(f"unknown kernel backend {name!r}: choose 'auto', 'cpu', 'torch' or 'triton'")

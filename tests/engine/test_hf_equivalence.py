@@ -49,10 +49,12 @@ def test_one_prompt(tiny_llama_dir, hf_greedy):
     assert got == expected
 
 
-def test_sixteen_prompts_of_lengths_1_to_300_submitted_together(tiny_llama_dir, hf_greedy, prompts16):
+@pytest.mark.parametrize("kernel_backend", ["cpu", "torch"])  # native C++ decode attention, references
+def test_sixteen_prompts_of_lengths_1_to_300_submitted_together(tiny_llama_dir, hf_greedy, prompts16, kernel_backend):
     expected = hf_greedy(tiny_llama_dir, prompts16, MAX_NEW, ignore_eos=True)
     assert_diverse(expected)
-    _, got = run_llm(tiny_llama_dir, prompts16)
+    llm, got = run_llm(tiny_llama_dir, prompts16, kernel_backend=kernel_backend)
+    assert llm.engine.executor.backend.name == kernel_backend
     assert got == expected
 
 

@@ -1,4 +1,4 @@
-"""Shared fixtures for the kernel tests: both backends, and poisoned allocations."""
+"""Shared fixtures for the kernel tests: every backend, and poisoned allocations."""
 
 import os
 
@@ -11,9 +11,10 @@ import torch  # noqa: E402
 from kernels.backend import KernelBackend, get_backend  # noqa: E402
 
 
-@pytest.fixture(params=["torch", "triton"])
+@pytest.fixture(params=["torch", "cpu", "triton"])
 def backend(request) -> KernelBackend:
-    """Every shared kernel test runs once per implementation."""
+    """Every shared kernel test runs once per implementation ("cpu": the native C++ kernels, built
+    on first use; a machine that can't build them fails here rather than skipping them)."""
     return get_backend(request.param, "cpu")
 
 

@@ -1,16 +1,63 @@
 """Which implementation `get_backend` hands the model code, and that CPU users never import Triton."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import torch
+
+from kernels import cpu_native
 from kernels.backend import TORCH, get_backend
+from kernels.attention import paged_decode_attention_torch
 
 
-def test_auto_is_the_torch_reference_on_cpu_even_under_the_interpreter():
-    assert get_backend("auto", "cpu") is TORCH
+def test_auto_on_cpu_is_the_native_backend_even_under_the_interpreter():
+    backend = get_backend("auto", "cpu")
+    assert backend.name == "cpu" and backend is get_backend("cpu", "cpu")
+    # Only decode attention is native; everything else is the reference.
+    assert backend.rms_norm is TORCH.rms_norm and backend.write_kv_cache is TORCH.write_kv_cache
+    assert backend.paged_decode_attention is not TORCH.paged_decode_attention
+
+
+def test_the_native_backend_falls_back_to_the_reference_for_float16():
+    """The C++ kernel takes float32 and bfloat16; anything else goes to the reference, same answer."""
+    generator = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(2, 2, 4, 16, 64, generator=generator).half()
+    query = torch.randn(2, 4, 64, generator=generator).half()
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([20, 32], dtype=torch.int32)
+    out = get_backend("cpu", "cpu").paged_decode_attention(query, kv_cache, tables, lens, 0.125)
+    assert torch.equal(out, paged_decode_attention_torch(query, kv_cache, tables, lens, 0.125))
+
+
+def test_cpu_backend_is_refused_off_the_cpu():
+    with pytest.raises(ValueError, match="kernel backend 'cpu' needs a CPU device"):
+        get_backend("cpu", "cuda")
+
+
+def test_native_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("SHARDSERVE_CPU_KERNELS", "0")
+    assert not cpu_native.enabled()
+    monkeypatch.setenv("SHARDSERVE_CPU_KERNELS", "1")
+    assert cpu_native.enabled()
+
+
+def test_switched_off_auto_is_the_plain_reference():
+    script = (
+        "from kernels.backend import TORCH, get_backend\n"
+        "assert get_backend('auto', 'cpu') is TORCH\n"
+        "try:\n"
+        "    get_backend('cpu', 'cpu')\n"
+        "except ValueError as exc:\n"
+        "    assert 'SHARDSERVE_CPU_KERNELS' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('cpu backend without the native kernels')\n"
+    )
+    env = {**os.environ, "SHARDSERVE_CPU_KERNELS": "0"}
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120, cwd=Path(__file__).parents[2], env=env)
 
 
 def test_torch_is_the_reference_everywhere():
@@ -35,7 +82,7 @@ def test_triton_on_cpu_without_the_interpreter_says_how_to_enable_it(monkeypatch
 
 
 def test_an_unknown_backend_is_rejected_with_the_choices():
-    with pytest.raises(ValueError, match="'auto', 'torch' or 'triton'"):
+    with pytest.raises(ValueError, match="'auto', 'cpu', 'torch' or 'triton'"):
         get_backend("cuda-graphs", "cpu")
 
 

@@ -1,0 +1,67 @@
+"""shardserve's native CPU kernels (kernels/cpu/*.cpp), built on first use with torch's C++ extension
+loader and cached by it (under $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions).
+
+On CPU, attention's gathers and per-op overhead, not matrix products, decide a decode step's time
+(docs/BENCHMARKS.md, "Kernels"); the native decode attention reads each cached K/V row once.
+The build needs a C++ compiler and ninja (the `ninja` package is a dependency) and takes about
+30 s once per machine. Where it can't be built, or with SHARDSERVE_CPU_KERNELS=0, `load()` returns
+None and the torch references run instead; that is logged once.
+
+The build targets the machine it runs on (-march=native, AVX-512 where the CPU has it): the cache
+must not be shared between machines of different CPU families.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "cpu" / "paged_attention.cpp"]
+EXTENSION_NAME = "shardserve_cpu_kernels"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+
+
+def enabled() -> bool:
+    return os.environ.get("SHARDSERVE_CPU_KERNELS", "1").lower() not in ("0", "false", "off", "no")
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip package's binary is in the venv, which need not be on it."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = str(ninja.BIN_DIR)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled extension, or None when disabled or it can't be built here."""
+    if not enabled():
+        logger.info("native CPU kernels disabled (SHARDSERVE_CPU_KERNELS=0): using the torch references")
+        return None
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        _put_ninja_on_path()
+        return load_extension(
+            name=EXTENSION_NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, verbose=False
+        )
+    except Exception as exc:  # no compiler, no ninja, a build error: fall back, loudly once
+        logger.warning("native CPU kernels unavailable (%s); using the torch references", exc)
+        return None
+
+
+def paged_decode_attention_native(query, kv_cache, block_tables, context_lens, scale: float):
+    """kernels.attention.paged_decode_attention_torch's contract, one fused pass over the cache.
+
+    float32 and bfloat16 only; int32 block tables and context lengths (what the model runner builds).
+    """
+    return load().paged_decode_attention(query, kv_cache, block_tables, context_lens, float(scale))
