@@ -6,12 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from kernels import cpu_native
-from kernels.backend import TORCH, get_backend
 from kernels.attention import paged_decode_attention_torch
+from kernels.backend import TORCH, get_backend
 
 
 def test_auto_on_cpu_is_the_native_backend_even_under_the_interpreter():
