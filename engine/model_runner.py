@@ -16,6 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from kernels.backend import get_backend
 from parallel.comm import min_over_ranks
+from parallel.layers import pack_weights_for_cpu
 from parallel.state import ParallelContext
 
 _CPU_DEFAULT_KV_GB = 2.0
@@ -142,6 +143,8 @@ class ModelRunner:
         self.model = load_model(
             config.model, model_config, self.dtype, self.device, self.parallel, self.backend
         )
+        if self.backend.name == "cpu":  # the native CPU path: oneDNN-packed weights too
+            pack_weights_for_cpu(self.model)
         num_blocks = num_blocks or self.profile_num_blocks(max_model_len or model_config.max_position_embeddings)
         # block ids are shared by every rank (one block manager): all hold the smallest rank's count
         self.num_blocks = min_over_ranks(num_blocks, self.parallel)

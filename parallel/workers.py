@@ -41,6 +41,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.errors import EngineDeadError, EngineError
 from engine.model_runner import ModelRunner, StepInput
 from parallel.comm import broadcast_object
+from parallel.layers import weight_bytes
 from parallel.state import RENDEZVOUS_TIMEOUT, connect_store, create_store, init_parallel_context
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class RankMemory:
 
 def measure_memory(runner: ModelRunner) -> RankMemory:
     """Tensor byte counts of a rank's parameters (a tied head counted once) and KV cache."""
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weights = weight_bytes(runner.model)
     kv = sum(cache.numel() * cache.element_size() for cache in runner.kv_caches)
     return RankMemory(runner.parallel.rank, weights, kv)
 

@@ -1,0 +1,54 @@
+"""oneDNN pre-packed CPU weights: same products as F.linear, dense copies released, bytes counted once."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    pack_weights_for_cpu,
+    weight_bytes,
+)
+from parallel.state import ParallelContext
+
+
+def filled(module, generator):
+    for param in module.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_layers_compute_what_f_linear_computes(dtype):
+    generator = torch.Generator().manual_seed(0)
+    parallel = ParallelContext()
+    model = torch.nn.ModuleDict(
+        {
+            "up": filled(MergedColumnParallelLinear(64, [96, 96], parallel, dtype=dtype), generator),
+            "down": filled(RowParallelLinear(96, 64, parallel, bias=True, dtype=dtype), generator),
+            "head": filled(ParallelLMHead(300, 64, parallel, dtype=dtype), generator),
+        }
+    )
+    dense = {name: module.weight.detach().clone() for name, module in model.items()}
+    bias = model["down"].bias.detach().clone()
+    before = weight_bytes(model)
+    x = torch.randn(7, 64, generator=generator).to(dtype)
+    h = torch.randn(7, 96, generator=generator).to(dtype)
+
+    assert pack_weights_for_cpu(model) == 3
+
+    assert model["up"].weight.numel() == 0 and model["down"].weight.numel() == 0  # released
+    assert model["head"].weight.shape == (300, 64)  # a tied embedding may share it: kept
+    assert weight_bytes(model) == before
+    exact = dtype == torch.bfloat16  # float32's summation order differs in the last bits
+    for got, want in [
+        (model["up"](x), F.linear(x, dense["up"])),
+        (model["down"](h), F.linear(h, dense["down"], bias)),
+        (model["head"](x), F.linear(x, dense["head"])),
+    ]:
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
