@@ -32,6 +32,8 @@ class ServeArgs(BaseModel):
     swap_space: float = Field(4.0, ge=0)
     seed: int = 0
     kernel_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
+    # torch threads per rank on CPU; None: the cores this process may run on, shared by the ranks
+    cpu_threads: int | None = Field(None, ge=1)
     # HTTP
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -118,6 +119,8 @@ class EngineConfig(BaseModel):
     swap_space: float = Field(4.0, ge=0)
     tensor_parallel_size: int = Field(1, ge=1)
     kernel_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
+    # torch threads per rank on CPU; None: the cores this process may run on, shared by the ranks
+    cpu_threads: int | None = Field(None, ge=1)
     watermark: float = Field(0.01, ge=0, lt=1)
 
     @field_validator("block_size")
@@ -134,6 +137,15 @@ class EngineConfig(BaseModel):
         if self.num_kv_blocks is not None and self.kv_cache_memory_gb is not None:
             raise ValueError("set at most one of num_kv_blocks and kv_cache_memory_gb")
         return self
+
+    def resolved_cpu_threads(self) -> int:
+        """torch threads for one rank's CPU ops. Set explicitly, never inherited: Ray sets an actor's
+        OMP_NUM_THREADS to its logical CPUs (1 per rank by default), which left a served replica
+        running on one of two cores."""
+        if self.cpu_threads:
+            return self.cpu_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores // self.tensor_parallel_size)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

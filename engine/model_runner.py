@@ -6,6 +6,7 @@ other ranks under tensor parallelism); `execute_model()` runs on every rank.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -138,6 +139,9 @@ class ModelRunner:
         self.model_config = model_config
         self.parallel = parallel or ParallelContext()
         self.device = config.resolved_device()
+        self.cpu_threads = config.resolved_cpu_threads()
+        self._threads_set_on: int | None = None  # the OS thread whose torch thread count is set
+        self._use_cpu_threads()
         self.dtype = config.torch_dtype(model_config)
         self.backend = get_backend(config.kernel_backend, self.device.type)
         self.model = load_model(
@@ -179,8 +183,17 @@ class ModelRunner:
         return max(1, min(int(_CPU_DEFAULT_KV_GB * 2**30) // per_block, full))
 
     @torch.inference_mode()
+    def _use_cpu_threads(self) -> None:
+        """Under OpenMP torch's thread count belongs to the calling OS thread, and a new thread starts
+        from OMP_NUM_THREADS (Ray sets it to an actor's logical CPUs, 1 per rank): so it is set on
+        whichever thread runs the steps (the async engine's loop thread), once."""
+        if self.device.type == "cpu" and self._threads_set_on != threading.get_ident():
+            torch.set_num_threads(self.cpu_threads)
+            self._threads_set_on = threading.get_ident()
+
     def execute_model(self, step: StepInput) -> torch.Tensor | None:
         """One forward pass; returns [num_sampled, vocab] float32 logits, or None if nothing is sampled."""
+        self._use_cpu_threads()
         if self.swapper is not None:
             self.swapper.before_step(
                 step.swap_out, step.swap_in, step.swap_out_ticket, step.meta.slot_mapping, self.config.block_size

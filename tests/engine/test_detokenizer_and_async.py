@@ -111,3 +111,39 @@ async def test_a_dying_step_loop_fails_every_stream_and_marks_the_engine_dead(ti
         async for _ in engine.generate([5, 6, 7], greedy(4), "after-death"):
             pass
     engine.shutdown()
+
+
+def test_the_async_engines_step_thread_runs_with_the_configured_cpu_threads(tiny_llama_dir, monkeypatch):
+    """Under OpenMP a new OS thread starts from OMP_NUM_THREADS (Ray sets it to 1 per replica), so
+    the thread count must be set on the loop thread that runs the steps, not only where the engine
+    was built: that left a served replica on one of two cores."""
+    import threading
+
+    import torch
+
+    calls = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append((threading.get_ident(), n)), real(n)))
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", cpu_threads=1))
+    try:
+
+        async def run():
+            async for _ in engine.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), "threads"):
+                pass
+
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+        real(EngineConfig(model=str(tiny_llama_dir)).resolved_cpu_threads())
+    threads = {ident for ident, _ in calls}
+    assert {n for _, n in calls} == {1}
+    assert threading.get_ident() in threads and len(threads) == 2  # the builder's thread and the loop's
+
+
+def test_cpu_threads_default_to_the_cores_shared_by_the_ranks(tiny_llama_dir):
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert EngineConfig(model=str(tiny_llama_dir)).resolved_cpu_threads() == cores
+    assert EngineConfig(model=str(tiny_llama_dir), tensor_parallel_size=4).resolved_cpu_threads() == max(1, cores // 4)
+    assert EngineConfig(model=str(tiny_llama_dir), cpu_threads=3).resolved_cpu_threads() == 3
