@@ -70,7 +70,8 @@ def _triton_backend() -> KernelBackend:
 
 @functools.cache
 def _native_cpu_backend() -> KernelBackend | None:
-    """The references with the native decode attention, or None where the extension can't be built."""
+    """The references with the native decode and prefill attention (each falls back to its reference
+    for inputs it doesn't take), or None where the extension can't be built."""
     if cpu_native.load() is None:
         return None
 
@@ -83,7 +84,25 @@ def _native_cpu_backend() -> KernelBackend | None:
             return cpu_native.paged_decode_attention_native(query, kv_cache, block_tables, context_lens, scale)
         return paged_decode_attention_torch(query, kv_cache, block_tables, context_lens, scale)
 
-    return dataclasses.replace(TORCH, name="cpu", paged_decode_attention=paged_decode_attention)
+    def paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, context_lens, scale, *, max_query_len=None):
+        if (
+            query.dtype in (torch.float32, torch.bfloat16)
+            and cpu_native.prefill_supported(query.shape[-1], kv_cache.shape[3])
+            and block_tables.dtype == query_start_loc.dtype == context_lens.dtype == torch.int32
+        ):
+            return cpu_native.paged_prefill_attention_native(
+                query, kv_cache, block_tables, query_start_loc, context_lens, scale
+            )
+        return paged_prefill_attention_torch(
+            query, kv_cache, block_tables, query_start_loc, context_lens, scale, max_query_len=max_query_len
+        )
+
+    return dataclasses.replace(
+        TORCH,
+        name="cpu",
+        paged_decode_attention=paged_decode_attention,
+        paged_prefill_attention=paged_prefill_attention,
+    )
 
 
 def triton_interpreter_enabled() -> bool:

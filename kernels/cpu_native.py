@@ -2,7 +2,8 @@
 loader and cached by it (under $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions).
 
 On CPU, attention's gathers and per-op overhead, not matrix products, decide a decode step's time
-(docs/BENCHMARKS.md, "Kernels"); the native decode attention reads each cached K/V row once.
+(docs/BENCHMARKS.md, "Kernels"): the native decode attention reads each cached K/V row once; the
+native prefill attention is a flash-attention loop vectorised over query rows.
 The build needs a C++ compiler and ninja (the `ninja` package is a dependency) and takes about
 30 s once per machine. Where it can't be built, or with SHARDSERVE_CPU_KERNELS=0, `load()` returns
 None and the torch references run instead; that is logged once.
@@ -57,6 +58,17 @@ def load() -> ModuleType | None:
     except Exception as exc:  # no compiler, no ninja, a build error: fall back, loudly once
         logger.warning("native CPU kernels unavailable (%s); using the torch references", exc)
         return None
+
+
+def prefill_supported(head_dim: int, block_size: int) -> bool:
+    """The native prefill kernel needs AVX-512, head_dim a multiple of 16 (<= 256) and 16-token blocks."""
+    return load().prefill_supported(head_dim, block_size)
+
+
+def paged_prefill_attention_native(query, kv_cache, block_tables, query_start_loc, context_lens, scale: float):
+    """kernels.attention.paged_prefill_attention_torch's contract: causal chunks over their cached
+    context, flash-attention style in float32; int32 metadata."""
+    return load().paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, context_lens, float(scale))
 
 
 def paged_decode_attention_native(query, kv_cache, block_tables, context_lens, scale: float):

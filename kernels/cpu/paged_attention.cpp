@@ -43,29 +43,34 @@ inline void store(float value, float* out) { *out = value; }
 
 inline void store(float value, at::BFloat16* out) { *out = at::BFloat16(value); }  // round to nearest even
 
-// s[t] = exp(s[t] - peak) for t < count; returns their sum. With AVX-512: exp(x) = 2^n * 2^f with
-// n = round(x * log2 e) and |f| <= 1/2, 2^f = e^(f ln 2) by its Taylor series to degree 6 (relative
-// error ~1e-7, float32's own); glibc's scalar expf would otherwise be most of this kernel's time.
+#if defined(__AVX512F__)
+// exp(x) for 16 lanes of x <= 0: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, and 2^f = e^(f ln 2)
+// by its Taylor series to degree 6 (relative error ~1e-7, float32's own). Below 2^-126 it returns
+// 2^-126, not 0: callers zero the lanes that must not count. glibc's scalar expf would otherwise be
+// most of these kernels' time.
+inline __m512 exp16(__m512 x) {
+  const __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 z = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.f / 720), z, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.f / 2));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// s[t] = exp(s[t] - peak) for t < count; returns their sum.
 inline float exp_and_sum(float* s, int64_t count, float peak) {
   int64_t t = 0;
   float total = 0.f;
 #if defined(__AVX512F__)
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2 = _mm512_set1_ps(0.693147180559945309f);
-  const __m512 c2 = _mm512_set1_ps(1.f / 2), c3 = _mm512_set1_ps(1.f / 6), c4 = _mm512_set1_ps(1.f / 24);
-  const __m512 c5 = _mm512_set1_ps(1.f / 120), c6 = _mm512_set1_ps(1.f / 720), one = _mm512_set1_ps(1.f);
-  const __m512 floor_ = _mm512_set1_ps(-126.f), top = _mm512_set1_ps(peak);
+  const __m512 top = _mm512_set1_ps(peak);
   __m512 sum = _mm512_setzero_ps();
   for (; t + 16 <= count; t += 16) {
-    const __m512 y = _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), top), log2e), floor_);
-    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 z = _mm512_mul_ps(_mm512_sub_ps(y, n), ln2);
-    __m512 p = _mm512_fmadd_ps(c6, z, c5);
-    p = _mm512_fmadd_ps(p, z, c4);
-    p = _mm512_fmadd_ps(p, z, c3);
-    p = _mm512_fmadd_ps(p, z, c2);
-    p = _mm512_fmadd_ps(p, z, one);
-    p = _mm512_fmadd_ps(p, z, one);
-    const __m512 e = _mm512_scalef_ps(p, n);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), top));
     _mm512_storeu_ps(s + t, e);
     sum = _mm512_add_ps(sum, e);
   }
@@ -214,6 +219,180 @@ void decode_attention(
   });
 }
 
+#if defined(__AVX512F__)
+// Prefill attention: each sequence's chunk of queries against its cached context (which ends with
+// the chunk's own K/V), causally: query i of a chunk of q_len sits at position context - q_len + i
+// and sees keys 0 .. that position. Flash-attention style, float32 throughout, vectorised over
+// query rows: a task is (sequence, KV head, tile of kQueryTile chunk positions) for every query
+// head of the group, R = group * kQueryTile rows kept transposed ([dim][R]), so for each key
+// block (16 keys) and 16 rows the scores are 16 FMA chains over dim, the online softmax is plain
+// vector arithmetic (one lane per row), and the output accumulates with the block's values
+// broadcast from a float copy. head_dim: any multiple of 16 up to kMaxDim; block size 16.
+constexpr int64_t kQueryTile = 64;  // a multiple of 16
+constexpr int64_t kKeys = 16;
+constexpr int64_t kMaxDim = 256;
+
+template <typename T>
+void prefill_attention(
+    const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
+    const int32_t* query_start_loc, const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
+    int64_t num_kv_heads, int64_t num_blocks, int64_t max_blocks, int64_t dim, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t head_stride = num_blocks * kKeys * dim;
+  const int64_t rows = group * kQueryTile;
+
+  struct Task { int64_t seq, kv_head, first; };  // first: the tile's first query, 0-based in the chunk
+  std::vector<Task> tasks;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t q_len = query_start_loc[seq + 1] - query_start_loc[seq];
+    for (int64_t first = 0; first < q_len; first += kQueryTile)
+      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) tasks.push_back({seq, kv_head, first});
+  }
+  // Later tiles see more keys: deal tasks out round-robin so each thread gets a fair mix.
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t worker_begin, int64_t worker_end) {
+    std::vector<float> q_t(dim * rows), out_t(dim * rows), keys(kKeys * dim), values(kKeys * dim);
+    std::vector<float> row_max(rows), row_sum(rows);
+    std::vector<int32_t> row_pos(rows);
+    for (int64_t worker = worker_begin; worker < worker_end; ++worker) {
+      for (size_t t = worker; t < tasks.size(); t += workers) {
+        const Task task = tasks[t];
+        const int64_t q_start = query_start_loc[task.seq];
+        const int64_t q_len = query_start_loc[task.seq + 1] - q_start;
+        const int64_t context = context_lens[task.seq];
+        const int64_t tile = std::min(kQueryTile, q_len - task.first);
+        const int32_t* table = block_tables + task.seq * max_blocks;
+        const T* key_head = key_cache + task.kv_head * head_stride;
+        const T* value_head = value_cache + task.kv_head * head_stride;
+
+        // Row r = g * kQueryTile + i: query head kv_head * group + g at chunk position first + i.
+        for (int64_t g = 0; g < group; ++g) {
+          for (int64_t i = 0; i < kQueryTile; ++i) {
+            const int64_t r = g * kQueryTile + i;
+            if (i < tile) {
+              const T* src = query + ((q_start + task.first + i) * num_heads + task.kv_head * group + g) * dim;
+              for (int64_t d = 0; d < dim; ++d) q_t[d * rows + r] = load(src[d]) * scale;
+              row_pos[r] = static_cast<int32_t>(context - q_len + task.first + i);
+            } else {
+              for (int64_t d = 0; d < dim; ++d) q_t[d * rows + r] = 0.f;
+              row_pos[r] = -1;  // padding: sees no key
+            }
+          }
+        }
+        std::fill(out_t.begin(), out_t.end(), 0.f);
+        std::fill(row_max.begin(), row_max.end(), -INFINITY);
+        std::fill(row_sum.begin(), row_sum.end(), 0.f);
+        const int64_t last_pos = context - q_len + task.first + tile - 1;
+
+        for (int64_t start = 0; start <= last_pos; start += kKeys) {
+          const int64_t count = std::min(kKeys, context - start);
+          const int64_t block = table[start / kKeys];
+          const T* kb = key_head + block * kKeys * dim;
+          const T* vb = value_head + block * kKeys * dim;
+          for (int64_t j = 0; j < kKeys; ++j) {
+            for (int64_t d = 0; d < dim; d += 16) {
+              const bool live = j < count;
+              _mm512_storeu_ps(keys.data() + j * dim + d, live ? widen16(kb + j * dim + d) : _mm512_setzero_ps());
+              _mm512_storeu_ps(values.data() + j * dim + d, live ? widen16(vb + j * dim + d) : _mm512_setzero_ps());
+            }
+          }
+          for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+            const __m512i pos = _mm512_loadu_si512(row_pos.data() + r0);
+            if (!_mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(start)))) continue;  // none sees it
+            __m512 p[kKeys];
+            for (int j = 0; j < kKeys; ++j) p[j] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < dim; ++d) {
+              const __m512 qd = _mm512_loadu_ps(q_t.data() + d * rows + r0);
+              for (int j = 0; j < kKeys; ++j) p[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(keys[j * dim + d]), p[j]);
+            }
+            // Online softmax, one lane per row. Key j counts for a row if it exists and is not after it.
+            const __m512 old_max = _mm512_loadu_ps(row_max.data() + r0);
+            __m512 new_max = old_max;
+            __mmask16 visible[kKeys];
+            for (int j = 0; j < kKeys; ++j) {
+              visible[j] = j < count ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(start + j)), pos) : 0;
+              new_max = _mm512_mask_max_ps(new_max, visible[j], new_max, p[j]);
+            }
+            // Rows that have seen no key yet keep -inf: subtract 0 instead (their lanes are all masked).
+            const __m512 shift = _mm512_mask_mov_ps(new_max, _mm512_cmp_ps_mask(new_max, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                                    _mm512_setzero_ps());
+            const __m512 rescale = exp16(_mm512_sub_ps(old_max, shift));  // ~0 where old_max is -inf
+            __m512 total = _mm512_mul_ps(_mm512_loadu_ps(row_sum.data() + r0), rescale);
+            for (int j = 0; j < kKeys; ++j) {
+              p[j] = _mm512_maskz_mov_ps(visible[j], exp16(_mm512_sub_ps(p[j], shift)));
+              total = _mm512_add_ps(total, p[j]);
+            }
+            _mm512_storeu_ps(row_max.data() + r0, new_max);
+            _mm512_storeu_ps(row_sum.data() + r0, total);
+            for (int64_t d = 0; d < dim; ++d) {
+              float* o_d = out_t.data() + d * rows + r0;
+              __m512 o = _mm512_mul_ps(_mm512_loadu_ps(o_d), rescale);
+              for (int j = 0; j < kKeys; ++j) o = _mm512_fmadd_ps(p[j], _mm512_set1_ps(values[j * dim + d]), o);
+              _mm512_storeu_ps(o_d, o);
+            }
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          for (int64_t i = 0; i < tile; ++i) {
+            const int64_t r = g * kQueryTile + i;
+            const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+            T* dst = out + ((q_start + task.first + i) * num_heads + task.kv_head * group + g) * dim;
+            for (int64_t d = 0; d < dim; ++d) store(out_t[d * rows + r] * inv, dst + d);
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+bool prefill_supported(int64_t head_dim, int64_t block_size) {
+#if defined(__AVX512F__)
+  return head_dim % 16 == 0 && head_dim <= kMaxDim && block_size == kKeys;
+#else
+  return false;
+#endif
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill_attention: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_prefill_attention: bad shapes");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "paged_prefill_attention: query and cache dtypes differ");
+  TORCH_CHECK(query.size(1) % kv_cache.size(1) == 0, "paged_prefill_attention: heads not a multiple of KV heads");
+  TORCH_CHECK(query.size(2) == kv_cache.size(4), "paged_prefill_attention: head_dim differs from the cache's");
+  TORCH_CHECK(prefill_supported(query.size(2), kv_cache.size(3)),
+              "paged_prefill_attention: needs AVX-512, head_dim a multiple of 16 (<= 256) and block_size 16");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "paged_prefill_attention: block_tables, query_start_loc and context_lens must be int32");
+  TORCH_CHECK(kv_cache.is_contiguous(), "paged_prefill_attention: the cache must be contiguous");
+  const at::Tensor q = query.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor starts = query_start_loc.contiguous();
+  const at::Tensor lens = context_lens.contiguous();
+  at::Tensor out = at::empty_like(q);
+#if defined(__AVX512F__)
+  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), dim = q.size(2);
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* keys = kv_cache.data_ptr<T>();
+    prefill_attention<T>(q.data_ptr<T>(), keys, keys + num_kv_heads * num_blocks * kKeys * dim,
+                         tables.data_ptr<int32_t>(), starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                         out.data_ptr<T>(), tables.size(0), q.size(1), num_kv_heads, num_blocks, tables.size(1), dim,
+                         static_cast<float>(scale));
+  };
+  if (q.scalar_type() == at::kFloat) {
+    run(static_cast<float*>(nullptr));
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run(static_cast<at::BFloat16*>(nullptr));
+  } else {
+    TORCH_CHECK(false, "paged_prefill_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  }
+#endif
+  return out;
+}
+
 template <typename T>
 void dispatch_dim(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                   const at::Tensor& context_lens, at::Tensor& out, double scale) {
@@ -264,4 +443,6 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "Paged prefill attention, causal chunks (CPU)");
+  m.def("prefill_supported", &prefill_supported, "Whether paged_prefill_attention takes this head_dim and block_size");
 }
