@@ -106,7 +106,8 @@ class LLMServer:
 
     def __serve_build_asgi_app__(self):
         return self.observability.install(build_api(self.serving, api_key=self.args.api_key,
-                                                    max_request_body_bytes=self.args.max_request_body_bytes))
+                                                    max_request_body_bytes=self.args.max_request_body_bytes,
+                                                    stream_interval_ms=self.args.stream_interval_ms))
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Queue depth for app/autoscaling.py: sequences waiting plus running in this replica's engine."""
