@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
 
+SERVE_CPU_BATCHED_TOKENS = 2048
+
 
 class ServeArgs(BaseModel):
     """Flat, vLLM-named settings for one served model (CLI flags use dashes: --max-num-seqs)."""
@@ -21,7 +23,9 @@ class ServeArgs(BaseModel):
     dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=1)
+    # tokens per engine step; None: 2048 on CPU (vLLM's CPU API-server default: short steps keep
+    # first tokens and streams moving), 8192 on GPU
+    max_num_batched_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     block_size: int = Field(16, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)
@@ -63,4 +67,9 @@ class ServeArgs(BaseModel):
     def engine_config(self, model_dir: str) -> EngineConfig:
         """The EngineConfig each replica starts with."""
         fields = set(EngineConfig.model_fields) - {"model"}
-        return EngineConfig(model=model_dir, **{k: v for k, v in self.model_dump().items() if k in fields})
+        settings = {k: v for k, v in self.model_dump().items() if k in fields}
+        if settings["max_num_batched_tokens"] is None:
+            on_cpu = EngineConfig(model=model_dir, device=self.device).resolved_device().type == "cpu"
+            default = EngineConfig.model_fields["max_num_batched_tokens"].default
+            settings["max_num_batched_tokens"] = SERVE_CPU_BATCHED_TOKENS if on_cpu else default
+        return EngineConfig(model=model_dir, **settings)

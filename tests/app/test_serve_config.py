@@ -90,3 +90,12 @@ def test_policy_wants_queue_depth_over_target_replicas(ctx, desired):
     replicas, state = QueueDepthPolicy(target_queue_depth=4)(ctx)
     assert replicas == desired
     assert "queue_depth" in state
+
+
+def test_the_served_token_budget_defaults_to_short_steps_on_cpu(tiny_llama_dir):
+    assert ServeArgs(device="cpu").engine_config(str(tiny_llama_dir)).max_num_batched_tokens == 2048
+    assert ServeArgs(device="cuda").engine_config(str(tiny_llama_dir)).max_num_batched_tokens == 8192
+    explicit = ServeArgs(device="cpu", max_num_batched_tokens=512).engine_config(str(tiny_llama_dir))
+    assert explicit.max_num_batched_tokens == 512
+    assert cli_args("--max-num-batched-tokens", "4096").max_num_batched_tokens == 4096
+    assert cli_args("--stream-interval-ms", "0").stream_interval_ms == 0
