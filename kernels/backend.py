@@ -1,7 +1,7 @@
 """The one entry point the model code calls: picks Triton kernels, native CPU kernels or the torch references.
 
-`auto` runs Triton on CUDA; on CPU, the torch references with shardserve's native C++ decode
-attention (kernels/cpu_native.py) where it builds, else the plain references. `cpu` insists on the
+`auto` runs Triton on CUDA; on CPU, shardserve's native C++ kernels (kernels/cpu_native.py) where
+they build, else the plain references. `cpu` insists on the
 native kernels; `torch` is the references alone. `triton` on CPU runs the kernels in
 Triton's interpreter, which only works when TRITON_INTERPRET=1 was set before the process first
 imported triton (the tests do that). Triton is imported only when a Triton backend is asked for, so
@@ -68,16 +68,20 @@ def _triton_backend() -> KernelBackend:
     )
 
 
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native CPU kernels take; others go to the references
+
+
 @functools.cache
 def _native_cpu_backend() -> KernelBackend | None:
-    """The references with the native decode and prefill attention (each falls back to its reference
-    for inputs it doesn't take), or None where the extension can't be built."""
+    """The native CPU kernels (attention, RMSNorm, SiLU-and-mul, rotary; the KV write stays the
+    reference's index_copy_), each falling back to its reference for inputs it doesn't take; or None
+    where the extension can't be built."""
     if cpu_native.load() is None:
         return None
 
     def paged_decode_attention(query, kv_cache, block_tables, context_lens, scale):
         if (
-            query.dtype in (torch.float32, torch.bfloat16)
+            query.dtype in NATIVE_DTYPES
             and block_tables.dtype == torch.int32
             and context_lens.dtype == torch.int32
         ):
@@ -86,7 +90,7 @@ def _native_cpu_backend() -> KernelBackend | None:
 
     def paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, context_lens, scale, *, max_query_len=None):
         if (
-            query.dtype in (torch.float32, torch.bfloat16)
+            query.dtype in NATIVE_DTYPES
             and cpu_native.prefill_supported(query.shape[-1], kv_cache.shape[3])
             and block_tables.dtype == query_start_loc.dtype == context_lens.dtype == torch.int32
         ):
@@ -97,11 +101,31 @@ def _native_cpu_backend() -> KernelBackend | None:
             query, kv_cache, block_tables, query_start_loc, context_lens, scale, max_query_len=max_query_len
         )
 
+    def rms_norm(x, weight, eps, residual=None):
+        if x.dtype in NATIVE_DTYPES and x.dim() == 2 and weight.dtype == x.dtype:
+            outs = cpu_native.load().rms_norm(x, weight, eps, residual)
+            return outs[0] if residual is None else (outs[0], outs[1])
+        return rms_norm_torch(x, weight, eps, residual)
+
+    def silu_and_mul(x):
+        if x.dtype in NATIVE_DTYPES and x.dim() == 2:
+            return cpu_native.load().silu_and_mul(x)
+        return silu_and_mul_torch(x)
+
+    def rotary_embedding(positions, query, key, cos_sin_cache):
+        if query.dtype in NATIVE_DTYPES and key.dtype == query.dtype and positions.dtype == torch.int64:
+            query, key = cpu_native.load().rotary_embedding(positions, query, key, cos_sin_cache)
+            return query, key
+        return rotary_embedding_torch(positions, query, key, cos_sin_cache)
+
     return dataclasses.replace(
         TORCH,
         name="cpu",
         paged_decode_attention=paged_decode_attention,
         paged_prefill_attention=paged_prefill_attention,
+        rms_norm=rms_norm,
+        silu_and_mul=silu_and_mul,
+        rotary_embedding=rotary_embedding,
     )
 
 

@@ -22,7 +22,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "cpu" / "paged_attention.cpp"]
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp")]
 EXTENSION_NAME = "shardserve_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 

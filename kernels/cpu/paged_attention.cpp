@@ -14,7 +14,7 @@
 //   returns      [num_seqs, num_heads, head_dim], the query's dtype
 // Scores, softmax and accumulation are float32, like the reference.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -27,40 +27,12 @@
 #include <cstring>
 #include <vector>
 
+#include "common.h"
+
+namespace shardserve {
 namespace {
 
-inline float load(float x) { return x; }
 
-inline float load(at::BFloat16 x) {
-  // bfloat16 is the top half of a float32: widening is a shift, which the compiler vectorises.
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-inline void store(float value, float* out) { *out = value; }
-
-inline void store(float value, at::BFloat16* out) { *out = at::BFloat16(value); }  // round to nearest even
-
-#if defined(__AVX512F__)
-// exp(x) for 16 lanes of x <= 0: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, and 2^f = e^(f ln 2)
-// by its Taylor series to degree 6 (relative error ~1e-7, float32's own). Below 2^-126 it returns
-// 2^-126, not 0: callers zero the lanes that must not count. glibc's scalar expf would otherwise be
-// most of these kernels' time.
-inline __m512 exp16(__m512 x) {
-  const __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 z = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.f / 720), z, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.f / 2));
-  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // s[t] = exp(s[t] - peak) for t < count; returns their sum.
 inline float exp_and_sum(float* s, int64_t count, float peak) {
@@ -84,17 +56,6 @@ inline float exp_and_sum(float* s, int64_t count, float peak) {
 }
 
 #if defined(__AVX512F__)
-// 16 elements of a cached row as float32 (bfloat16 is the top half of a float32: a shift).
-template <typename T>
-inline __m512 widen16(const T* src) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  } else {
-    return _mm512_loadu_ps(reinterpret_cast<const float*>(src));
-  }
-}
-
 // scores[i] = q . key_i for the `count` rows of one block; q (scaled, float32) stays in registers.
 template <typename T, int D>
 inline void block_scores(const float* q, const T* block, int64_t count, float* scores) {
@@ -346,6 +307,8 @@ void prefill_attention(
 }
 #endif
 
+}  // namespace
+
 bool prefill_supported(int64_t head_dim, int64_t block_size) {
 #if defined(__AVX512F__)
   return head_dim % 16 == 0 && head_dim <= kMaxDim && block_size == kKeys;
@@ -439,10 +402,4 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "Paged prefill attention, causal chunks (CPU)");
-  m.def("prefill_supported", &prefill_supported, "Whether paged_prefill_attention takes this head_dim and block_size");
-}
+}  // namespace shardserve

@@ -16,9 +16,10 @@ from kernels.backend import TORCH, get_backend
 def test_auto_on_cpu_is_the_native_backend_even_under_the_interpreter():
     backend = get_backend("auto", "cpu")
     assert backend.name == "cpu" and backend is get_backend("cpu", "cpu")
-    # Only decode attention is native; everything else is the reference.
-    assert backend.rms_norm is TORCH.rms_norm and backend.write_kv_cache is TORCH.write_kv_cache
-    assert backend.paged_decode_attention is not TORCH.paged_decode_attention
+    # The KV write stays the reference's index_copy_; attention and the per-token ops are native.
+    assert backend.write_kv_cache is TORCH.write_kv_cache
+    for op in ("paged_decode_attention", "paged_prefill_attention", "rms_norm", "silu_and_mul", "rotary_embedding"):
+        assert getattr(backend, op) is not getattr(TORCH, op), op
 
 
 def test_the_native_backend_falls_back_to_the_reference_for_float16():

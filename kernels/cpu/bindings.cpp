@@ -1,0 +1,28 @@
+// The Python module of shardserve's native CPU kernels (kernels/cpu_native.py builds and loads it).
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace shardserve {
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale);
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale);
+bool prefill_supported(int64_t head_dim, int64_t block_size);
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                 const c10::optional<at::Tensor>& residual);
+at::Tensor silu_and_mul(const at::Tensor& x);
+std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
+                                         const at::Tensor& cos_sin_cache);
+}  // namespace shardserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &shardserve::paged_decode_attention, "Paged decode attention");
+  m.def("paged_prefill_attention", &shardserve::paged_prefill_attention, "Paged prefill attention, causal chunks");
+  m.def("prefill_supported", &shardserve::prefill_supported,
+        "Whether paged_prefill_attention takes this head_dim and block_size");
+  m.def("rms_norm", &shardserve::rms_norm, "RMSNorm, optionally after a residual add: [out] or [out, sum]");
+  m.def("silu_and_mul", &shardserve::silu_and_mul, "silu(gate) * up over [tokens, 2 * d]");
+  m.def("rotary_embedding", &shardserve::rotary_embedding, "Rotary embedding of query and key: [query, key]");
+}
