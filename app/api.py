@@ -115,11 +115,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_api(serving: OpenAIServing, api_key: str | None = None,
-              max_request_body_bytes: int = 4 * 1024 * 1024, stream_interval_ms: float = 0.0) -> FastAPI:
+              max_request_body_bytes: int = 4 * 1024 * 1024, stream_batching: StreamBatching | None = None) -> FastAPI:
     """The HTTP app of one replica: OpenAI routes over `serving`, plus /health, /version and engine stats.
 
-    stream_interval_ms: a streamed response's events are sent at most this often, those that came in
-    between joined into one write (see coalesce_stream); 0 sends each event as it comes."""
+    stream_batching: how streamed responses are written (see StreamBatching); None writes each event."""
     app = FastAPI(title="shardserve", version=_version(), docs_url=None, redoc_url=None)
     _install_error_handlers(app)
     engine = serving.engine
@@ -155,12 +154,12 @@ def build_api(serving: OpenAIServing, api_key: str | None = None,
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         body = parse_request(CompletionRequest, await read_json_body(request, max_request_body_bytes))
-        return _respond(await serving.create_completion(body), stream_interval_ms)
+        return _respond(await serving.create_completion(body), stream_batching)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await read_json_body(request, max_request_body_bytes))
-        return _respond(await serving.create_chat_completion(body), stream_interval_ms)
+        return _respond(await serving.create_chat_completion(body), stream_batching)
 
     app.include_router(v1)
     return app
@@ -175,34 +174,55 @@ def engine_stats_dict(engine) -> dict:
     return dict(vars(stats))
 
 
-def _respond(result, stream_interval_ms: float = 0.0) -> Response:
+def _respond(result, batching: StreamBatching | None = None) -> Response:
     if isinstance(result, BaseModel):
         return Response(result.model_dump_json(), media_type="application/json")
-    if stream_interval_ms > 0:
-        result = coalesce_stream(result, stream_interval_ms / 1000)
+    if batching is not None and (batching.interval_s > 0 or batching.max_writes_per_s > 0):
+        result = coalesce_stream(result, batching)
     return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def coalesce_stream(events: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
-    """SSE events joined into fewer writes: the first at once (TTFT is untouched), then one write per
-    `interval_s` at most, carrying every event that arrived meanwhile; the rest when the stream ends.
+@dataclasses.dataclass
+class StreamBatching:
+    """How often a replica writes its streamed responses (what Ray Serve LLM calls stream batching).
 
-    Every event stays its own `data:` line, so clients see the same events. Behind Ray Serve each write
-    is a message from the replica through the proxy, which shares the CPU with the engine: at 10
-    concurrent streams one per token cost about a fifth of the served throughput on 2 cores
-    (docs/BENCHMARKS.md). An event waits at most one engine step (the next event's arrival), which is
-    what Ray Serve LLM's stream batching does too.
+    Behind Ray Serve every write is a message from the replica through the proxy, and on a CPU host
+    those processes share the cores with the engine: at 50 concurrent streams, a write per token cost
+    about a third of the served throughput on 2 cores (docs/BENCHMARKS.md). So a stream writes at most
+    once per `interval()`, joining the events that came in between: `interval_s`, stretched so that
+    all the replica's streams together make at most `max_writes_per_s` writes a second (0: no cap).
+    """
+
+    interval_s: float = 0.05
+    max_writes_per_s: float = 0.0
+    active: int = 0  # streams open now
+
+    def interval(self) -> float:
+        if self.max_writes_per_s > 0:
+            return max(self.interval_s, self.active / self.max_writes_per_s)
+        return self.interval_s
+
+
+async def coalesce_stream(events: AsyncIterator[str], batching: StreamBatching) -> AsyncIterator[str]:
+    """SSE events joined into fewer writes: the first at once (TTFT is untouched), then at most one
+    write per `batching.interval()`, carrying every event that arrived meanwhile; the rest when the
+    stream ends. Every event stays its own `data:` line, so clients see the same events; an event
+    waits at most until the next one arrives (one engine step) or the stream ends.
     """
     loop = asyncio.get_running_loop()
     pending: list[str] = []
     last_write = -math.inf
-    async with aclosing(events):
-        async for event in events:
-            pending.append(event)
-            now = loop.time()
-            if now - last_write >= interval_s:
-                yield "".join(pending)
-                pending.clear()
-                last_write = now
-    if pending:
-        yield "".join(pending)
+    batching.active += 1
+    try:
+        async with aclosing(events):
+            async for event in events:
+                pending.append(event)
+                now = loop.time()
+                if now - last_write >= batching.interval():
+                    yield "".join(pending)
+                    pending.clear()
+                    last_write = now
+        if pending:
+            yield "".join(pending)
+    finally:
+        batching.active -= 1

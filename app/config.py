@@ -43,8 +43,11 @@ class ServeArgs(BaseModel):
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = None
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    # a stream's SSE events are written at most this often, those in between joined (0: each at once)
+    # stream batching (app/api.py StreamBatching): a stream's SSE events are written at most every
+    # stream_interval_ms, stretched so the replica's streams make at most max_stream_writes_per_s
+    # writes a second; the events in between are joined. 0 and 0: every event written as it comes.
     stream_interval_ms: float = Field(50.0, ge=0)
+    max_stream_writes_per_s: float = Field(200.0, ge=0)
     # replicas and autoscaling
     num_replicas: int | None = Field(None, ge=1)
     min_replicas: int = Field(1, ge=0)

@@ -13,7 +13,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from app.api import build_api, engine_stats_dict
+from app.api import StreamBatching, build_api, engine_stats_dict
 from app.autoscaling import QUEUE_DEPTH_METRIC, autoscaling_config
 from app.config import ServeArgs
 from app.observability import ReplicaObservability
@@ -107,7 +107,9 @@ class LLMServer:
     def __serve_build_asgi_app__(self):
         return self.observability.install(build_api(self.serving, api_key=self.args.api_key,
                                                     max_request_body_bytes=self.args.max_request_body_bytes,
-                                                    stream_interval_ms=self.args.stream_interval_ms))
+                                                    stream_batching=StreamBatching(
+                                                        self.args.stream_interval_ms / 1000,
+                                                        self.args.max_stream_writes_per_s)))
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Queue depth for app/autoscaling.py: sequences waiting plus running in this replica's engine."""

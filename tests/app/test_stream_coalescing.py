@@ -2,7 +2,7 @@
 
 import asyncio
 
-from app.api import coalesce_stream
+from app.api import StreamBatching, coalesce_stream
 
 
 class Events:
@@ -30,7 +30,7 @@ def event(i: int) -> str:
 def test_within_one_interval_the_first_event_goes_at_once_and_the_rest_together_at_the_end():
     async def run():
         source = Events()
-        stream = coalesce_stream(aiter(source), interval_s=3600)
+        stream = coalesce_stream(aiter(source), StreamBatching(interval_s=3600))
         source.queue.put_nowait(event(0))
         first = await stream.__anext__()  # written before any later event exists
         for i in range(1, 5):
@@ -50,7 +50,7 @@ def test_interval_zero_writes_every_event_on_its_own():
         for i in range(4):
             source.queue.put_nowait(event(i))
         source.queue.put_nowait(None)
-        return [write async for write in coalesce_stream(aiter(source), interval_s=0)]
+        return [write async for write in coalesce_stream(aiter(source), StreamBatching(interval_s=0))]
 
     assert asyncio.run(run()) == [event(i) for i in range(4)]
 
@@ -58,10 +58,35 @@ def test_interval_zero_writes_every_event_on_its_own():
 def test_leaving_the_stream_early_closes_the_source():
     async def run():
         source = Events()
-        stream = coalesce_stream(aiter(source), interval_s=0)
+        stream = coalesce_stream(aiter(source), StreamBatching(interval_s=0))
         source.queue.put_nowait(event(0))
         await stream.__anext__()
         await stream.aclose()  # the client went away
         return source.closed
 
     assert asyncio.run(run())
+
+
+def test_the_interval_stretches_to_cap_the_replicas_writes_per_second():
+    batching = StreamBatching(interval_s=0.05, max_writes_per_s=200)
+    assert batching.interval() == 0.05
+    batching.active = 10
+    assert batching.interval() == 0.05  # 10 streams x 20 writes/s: within the cap
+    batching.active = 50
+    assert batching.interval() == 0.25  # 50 streams share 200 writes/s
+    assert StreamBatching(interval_s=0.05, max_writes_per_s=0, active=50).interval() == 0.05
+
+
+def test_open_streams_are_counted_while_they_run():
+    async def run():
+        batching = StreamBatching(interval_s=0)
+        source = Events()
+        stream = coalesce_stream(aiter(source), batching)
+        source.queue.put_nowait(event(0))
+        await stream.__anext__()
+        during = batching.active
+        source.queue.put_nowait(None)
+        assert [write async for write in stream] == []
+        return during, batching.active
+
+    assert asyncio.run(run()) == (1, 0)
