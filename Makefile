@@ -26,6 +26,7 @@ test: install
 # swap, tracing overhead. Each step rewrites its own block of the doc.
 bench: install
 	$(PY) -m scripts.bench_engine --write-doc
+	$(PY) -m scripts.bench_cpu_kernels --write-doc
 	bash scripts/run_bench.sh
 	$(PY) -m scripts.bench_serve_overhead --write-doc
 	$(PY) -m scripts.bench_tp

@@ -1,0 +1,144 @@
+"""Native CPU kernels vs the torch references, op by op, on the bench model's shapes (part of `make bench`).
+
+    python -m scripts.bench_cpu_kernels [--write-doc]
+
+Times each op of the `cpu` backend (kernels/cpu/*.cpp, oneDNN pre-packed weights) against the `torch`
+reference on the same inputs, alternating the two, and prints the median of --repeats rounds (each
+round the mean of --calls calls) and their ratio. Shapes: bfloat16, 8 query / 4 KV heads, head_dim 64,
+hidden 512, intermediate 1408, blocks of 16 scattered over the cache as a busy server's are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import TORCH, get_backend
+from kernels.rotary import rope_cos_sin_cache
+from scripts.doc_blocks import rewrite_block
+
+BEGIN, END = "<!-- cpu-kernels:begin -->", "<!-- cpu-kernels:end -->"
+DTYPE = torch.bfloat16
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, BLOCK = 8, 4, 64, 512, 1408, 16
+
+
+def timed(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def paged_scene(num_seqs: int, context: int, generator: torch.Generator):
+    blocks_per_seq = -(-context // BLOCK)
+    num_blocks = num_seqs * blocks_per_seq + 8
+    kv_cache = torch.randn(2, KV_HEADS, num_blocks, BLOCK, HEAD_DIM, generator=generator).to(DTYPE)
+    order = torch.randperm(num_blocks, generator=generator)[: num_seqs * blocks_per_seq]
+    return kv_cache, order.view(num_seqs, blocks_per_seq).to(torch.int32)
+
+
+def cases(generator: torch.Generator):
+    """(label, reference call, native call)."""
+    native = get_backend("cpu", "cpu")
+    for batch, context in [(10, 576), (50, 576)]:
+        kv, tables = paged_scene(batch, context, generator)
+        q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator).to(DTYPE)
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        yield (
+            f"decode attention, batch {batch} × context {context}",
+            lambda q=q, kv=kv, t=tables, n=lens: TORCH.paged_decode_attention(q, kv, t, n, 0.125),
+            lambda q=q, kv=kv, t=tables, n=lens: native.paged_decode_attention(q, kv, t, n, 0.125),
+        )
+    for cached, new in [(0, 512), (512, 512)]:
+        kv, tables = paged_scene(1, cached + new, generator)
+        q = torch.randn(new, HEADS, HEAD_DIM, generator=generator).to(DTYPE)
+        starts = torch.tensor([0, new], dtype=torch.int32)
+        lens = torch.tensor([cached + new], dtype=torch.int32)
+        yield (
+            f"prefill attention, {new} new tokens on {cached} cached",
+            lambda q=q, kv=kv, t=tables, s=starts, n=lens: TORCH.paged_prefill_attention(q, kv, t, s, n, 0.125),
+            lambda q=q, kv=kv, t=tables, s=starts, n=lens: native.paged_prefill_attention(q, kv, t, s, n, 0.125),
+        )
+    cos_sin = rope_cos_sin_cache(HEAD_DIM, 4096, 10000.0)
+    for tokens in (10, 512):
+        x = torch.randn(tokens, HIDDEN, generator=generator).to(DTYPE)
+        residual = torch.randn(tokens, HIDDEN, generator=generator).to(DTYPE)
+        weight = torch.randn(HIDDEN, generator=generator).to(DTYPE)
+        gate_up = torch.randn(tokens, 2 * INTERMEDIATE, generator=generator).to(DTYPE)
+        qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator).to(DTYPE)
+        q, k, _ = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+        q, k = q.view(tokens, HEADS, HEAD_DIM), k.view(tokens, KV_HEADS, HEAD_DIM)
+        positions = torch.arange(tokens, dtype=torch.int64)
+        yield (
+            f"RMSNorm + residual, {tokens} tokens",
+            lambda x=x, w=weight, r=residual: TORCH.rms_norm(x, w, 1e-6, r),
+            lambda x=x, w=weight, r=residual: native.rms_norm(x, w, 1e-6, r),
+        )
+        yield (
+            f"SiLU-and-mul, {tokens} tokens",
+            lambda g=gate_up: TORCH.silu_and_mul(g),
+            lambda g=gate_up: native.silu_and_mul(g),
+        )
+        yield (
+            f"rotary (query and key), {tokens} tokens",
+            lambda p=positions, q=q, k=k: TORCH.rotary_embedding(p, q, k, cos_sin),
+            lambda p=positions, q=q, k=k: native.rotary_embedding(p, q, k, cos_sin),
+        )
+    # a decode step's matrix products: 8 layers' QKV, O, gate/up, down, and the LM head
+    shapes = [(1024, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * 8
+    weights = [torch.randn(s, generator=generator).to(DTYPE) * 0.02 for s in [*shapes, (32000, HIDDEN)]]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    for tokens in (1, 10, 50):
+        inputs = {n: torch.randn(tokens, n, generator=generator).to(DTYPE) for n in (HIDDEN, INTERMEDIATE)}
+        yield (
+            f"a decode step's linears (8 layers + LM head), batch {tokens}",
+            lambda xs=inputs: [F.linear(xs[w.shape[1]], w) for w in weights],
+            lambda xs=inputs: [
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                for w, p in zip(weights, packed, strict=True)
+            ],
+        )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--write-doc", action="store_true")
+    args = parser.parse_args(argv)
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for label, reference, native in cases(generator):
+        reference(), native()  # warm-up (and the extension's build, the first time)
+        ref_ms, native_ms = [], []
+        for _ in range(args.repeats):
+            ref_ms.append(timed(reference, args.calls))
+            native_ms.append(timed(native, args.calls))
+        ref, nat = statistics.median(ref_ms), statistics.median(native_ms)
+        rows.append(f"| {label} | {ref:.3f} | {nat:.3f} | {ref / nat:.1f}× |")
+        print(rows[-1], flush=True)
+    now = datetime.datetime.now(datetime.UTC)
+    body = "\n".join(
+        [
+            f"Measured {now:%Y-%m-%d %H:%M} UTC on {platform.machine()} ({torch.get_num_threads()} torch threads, "
+            f"torch {torch.__version__}), bfloat16, median of {args.repeats} alternated rounds of {args.calls} calls.",
+            "",
+            "| op | torch reference ms | native ms | speed-up |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+            "Command: `python -m scripts.bench_cpu_kernels --write-doc` (in `make bench`)",
+        ]
+    )
+    if args.write_doc:
+        rewrite_block(BEGIN, END, body, "Kernels: native CPU vs references")
+
+
+if __name__ == "__main__":
+    main()
