@@ -13,7 +13,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
-install: $(STAMP)
+# The native CPU kernels (kernels/cpu/) are compiled once here, not by the first engine that needs them.
+CPU_KERNELS := $(VENV)/.cpu-kernels-stamp
+$(CPU_KERNELS): $(STAMP) $(wildcard kernels/cpu/*)
+	$(PY) -m kernels.cpu_native
+	touch $(CPU_KERNELS)
+
+install: $(STAMP) $(CPU_KERNELS)
 
 run: install
 	$(VENV)/bin/shardserve serve --host 127.0.0.1 --port 8000

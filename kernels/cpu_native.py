@@ -77,3 +77,9 @@ def paged_decode_attention_native(query, kv_cache, block_tables, context_lens, s
     float32 and bfloat16 only; int32 block tables and context lengths (what the model runner builds).
     """
     return load().paged_decode_attention(query, kv_cache, block_tables, context_lens, float(scale))
+
+
+if __name__ == "__main__":  # `python -m kernels.cpu_native`: build now (make install does), say how it went
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    module = load()
+    print(f"native CPU kernels: {'built, ' + module.__file__ if module else 'unavailable (torch references will run)'}")
