@@ -263,6 +263,8 @@ def test_vocab_parallel_embedding_at_tp1_is_a_plain_lookup():
 def _tp_rank(rank: int, tp: int, model_dir: str, next_tokens: list[int], store: str, out: str) -> None:
     """One rank of a tensor-parallel group (a spawned process): rank 0 saves the logits."""
     import os
+    import sys
+    import time
 
     import torch.distributed as dist
 
@@ -274,11 +276,21 @@ def _tp_rank(rank: int, tp: int, model_dir: str, next_tokens: list[int], store: 
         logits = prefill_then_decode(model, next_tokens)
         if rank == 0:
             torch.save(logits, out)
-        # Tear down only once every rank is done: a rank destroying its gloo context while a peer
-        # still talks to it aborts the peer ("terminate called without an active exception").
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Leave without tearing gloo down: a rank destroying its gloo context while a peer's gloo thread
+    # still touches the connection aborts that peer ("terminate called without an active exception"),
+    # even after a barrier. So every rank first waits, through the file store rather than gloo, until
+    # all are past the barrier, then exits at once, skipping the destructors.
+    store = dist.distributed_c10d._get_default_store()
+    store.add("past_barrier", 1)
+    while store.add("past_barrier", 0) < tp:
+        time.sleep(0.01)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # Each rank is a spawned process (a few seconds to import torch): two cases cover KV-head
