@@ -33,6 +33,11 @@ class _Stream:
             pass
 
 
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig):
         self.engine = LLMEngine(config)
@@ -123,8 +128,7 @@ class AsyncLLMEngine:
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
-                for output in self.engine.step():
-                    self._deliver(output)
+                self._deliver_all(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 — any failure kills the loop; tell every waiter
             logger.exception("engine loop died")
             self._error = exc
@@ -148,6 +152,20 @@ class AsyncLLMEngine:
                 output = self.engine.abort_request(item[1])
                 if output is not None:
                     self._deliver(output)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's deltas, handed to each event loop in one callback (one wake-up per step, not one per
+        request: at 50 streams that is 49 fewer cross-thread wake-ups of the serving loop per step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: nobody is listening
+                pass
 
     def _deliver(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)
