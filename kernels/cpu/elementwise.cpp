@@ -197,6 +197,10 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
   TORCH_CHECK(positions.scalar_type() == at::kLong, "rotary_embedding: positions must be int64");
   const at::Tensor pos = positions.contiguous();
   const at::Tensor cache = cos_sin_cache.contiguous();
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == query.size(0), "rotary_embedding: one position per token");
+  for (int64_t t = 0; t < pos.size(0); ++t)
+    TORCH_CHECK(pos.data_ptr<int64_t>()[t] >= 0 && pos.data_ptr<int64_t>()[t] < cache.size(0),
+                "rotary_embedding: position ", pos.data_ptr<int64_t>()[t], " outside the cache's ", cache.size(0));
   std::vector<at::Tensor> outs;
   for (const at::Tensor* x : {&query, &key}) {
     // heads of a token contiguous (a view into the fused QKV output keeps them so); rows may stride

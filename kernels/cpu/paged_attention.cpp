@@ -309,6 +309,25 @@ void prefill_attention(
 
 }  // namespace
 
+// The kernels read blocks straight from the table: check, before any read, that every block a
+// sequence's context covers exists (entries past the context are never read and may be anything).
+void check_tables(const at::Tensor& tables, const at::Tensor& lens, int64_t block_size, int64_t num_blocks,
+                  const char* what) {
+  TORCH_CHECK(tables.dim() == 2 && lens.dim() == 1 && lens.size(0) == tables.size(0), what,
+              ": block_tables [num_seqs, max_blocks] and context_lens [num_seqs] disagree");
+  const int32_t* table = tables.data_ptr<int32_t>();
+  const int32_t* len = lens.data_ptr<int32_t>();
+  const int64_t max_blocks = tables.size(1);
+  for (int64_t seq = 0; seq < tables.size(0); ++seq) {
+    const int64_t used = (static_cast<int64_t>(len[seq]) + block_size - 1) / block_size;
+    TORCH_CHECK(len[seq] >= 0 && used <= max_blocks, what, ": context of ", len[seq], " tokens exceeds its ",
+                max_blocks, "-block table");
+    for (int64_t b = 0; b < used; ++b)
+      TORCH_CHECK(table[seq * max_blocks + b] >= 0 && table[seq * max_blocks + b] < num_blocks, what,
+                  ": block id ", table[seq * max_blocks + b], " outside the cache's ", num_blocks, " blocks");
+  }
+}
+
 bool prefill_supported(int64_t head_dim, int64_t block_size) {
 #if defined(__AVX512F__)
   return head_dim % 16 == 0 && head_dim <= kMaxDim && block_size == kKeys;
@@ -334,6 +353,18 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor starts = query_start_loc.contiguous();
   const at::Tensor lens = context_lens.contiguous();
+  check_tables(tables, lens, kv_cache.size(3), kv_cache.size(2), "paged_prefill_attention");
+  TORCH_CHECK(starts.dim() == 1 && starts.size(0) == tables.size(0) + 1, "paged_prefill_attention: query_start_loc "
+              "must have num_seqs + 1 entries");
+  {
+    const int32_t* start = starts.data_ptr<int32_t>();
+    const int32_t* len = lens.data_ptr<int32_t>();
+    TORCH_CHECK(start[0] == 0 && start[tables.size(0)] == q.size(0), "paged_prefill_attention: query_start_loc "
+                "must run from 0 to the number of query tokens");
+    for (int64_t seq = 0; seq < tables.size(0); ++seq)
+      TORCH_CHECK(start[seq + 1] >= start[seq] && start[seq + 1] - start[seq] <= len[seq],
+                  "paged_prefill_attention: a chunk longer than its context, or query_start_loc not ascending");
+  }
   at::Tensor out = at::empty_like(q);
 #if defined(__AVX512F__)
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), dim = q.size(2);
@@ -391,6 +422,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = context_lens.contiguous();
+  check_tables(tables, lens, kv_cache.size(3), kv_cache.size(2), "paged_decode_attention");
+  TORCH_CHECK(lens.size(0) == q.size(0), "paged_decode_attention: one context length per query");
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat) {
     dispatch_dim<float>(q, kv_cache, tables, lens, out, scale);

@@ -95,3 +95,21 @@ def test_the_torch_backend_runs_without_importing_triton():
         "assert 'triton' not in sys.modules, sorted(m for m in sys.modules if 'triton' in m)\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120, cwd=Path(__file__).parents[2])
+
+
+def test_native_kernels_refuse_tables_and_positions_outside_the_cache():
+    """They read blocks and cos/sin rows by index: bad indices are a clear error, never a stray read."""
+    native = get_backend("cpu", "cpu")
+    kv_cache = torch.zeros(2, 2, 4, 16, 64)
+    query = torch.zeros(1, 4, 64)
+    lens = torch.tensor([20], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block id 9 outside the cache's 4 blocks"):
+        native.paged_decode_attention(query, kv_cache, torch.tensor([[0, 9]], dtype=torch.int32), lens, 0.1)
+    with pytest.raises(RuntimeError, match="exceeds its 1-block table"):
+        native.paged_decode_attention(query, kv_cache, torch.tensor([[0]], dtype=torch.int32), lens, 0.1)
+    starts = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block id -1 outside"):
+        native.paged_prefill_attention(query, kv_cache, torch.tensor([[0, -1]], dtype=torch.int32), starts, lens, 0.1)
+    cos_sin = torch.zeros(8, 64)
+    with pytest.raises(RuntimeError, match="position 8 outside"):
+        native.rotary_embedding(torch.tensor([8]), query, torch.zeros(1, 2, 64), cos_sin)
