@@ -68,7 +68,10 @@ def _triton_backend() -> KernelBackend:
     )
 
 
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native CPU kernels take; others go to the references
+NATIVE_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+)  # what the native CPU kernels take; others go to the references
 
 
 @functools.cache
@@ -76,7 +79,8 @@ def _native_cpu_backend() -> KernelBackend | None:
     """The native CPU kernels (attention, RMSNorm, SiLU-and-mul, rotary; the KV write stays the
     reference's index_copy_), each falling back to its reference for inputs it doesn't take; or None
     where the extension can't be built."""
-    if cpu_native.load() is None:
+    native = cpu_native.load()
+    if native is None:
         return None
 
     def paged_decode_attention(query, kv_cache, block_tables, context_lens, scale):
@@ -85,17 +89,19 @@ def _native_cpu_backend() -> KernelBackend | None:
             and block_tables.dtype == torch.int32
             and context_lens.dtype == torch.int32
         ):
-            return cpu_native.paged_decode_attention_native(query, kv_cache, block_tables, context_lens, scale)
+            return native.paged_decode_attention(query, kv_cache, block_tables, context_lens, float(scale))
         return paged_decode_attention_torch(query, kv_cache, block_tables, context_lens, scale)
 
-    def paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, context_lens, scale, *, max_query_len=None):
+    def paged_prefill_attention(
+        query, kv_cache, block_tables, query_start_loc, context_lens, scale, *, max_query_len=None
+    ):
         if (
             query.dtype in NATIVE_DTYPES
-            and cpu_native.prefill_supported(query.shape[-1], kv_cache.shape[3])
+            and native.prefill_supported(query.shape[-1], kv_cache.shape[3])
             and block_tables.dtype == query_start_loc.dtype == context_lens.dtype == torch.int32
         ):
-            return cpu_native.paged_prefill_attention_native(
-                query, kv_cache, block_tables, query_start_loc, context_lens, scale
+            return native.paged_prefill_attention(
+                query, kv_cache, block_tables, query_start_loc, context_lens, float(scale)
             )
         return paged_prefill_attention_torch(
             query, kv_cache, block_tables, query_start_loc, context_lens, scale, max_query_len=max_query_len
@@ -103,18 +109,18 @@ def _native_cpu_backend() -> KernelBackend | None:
 
     def rms_norm(x, weight, eps, residual=None):
         if x.dtype in NATIVE_DTYPES and x.dim() == 2 and weight.dtype == x.dtype:
-            outs = cpu_native.load().rms_norm(x, weight, eps, residual)
+            outs = native.rms_norm(x, weight, eps, residual)
             return outs[0] if residual is None else (outs[0], outs[1])
         return rms_norm_torch(x, weight, eps, residual)
 
     def silu_and_mul(x):
         if x.dtype in NATIVE_DTYPES and x.dim() == 2:
-            return cpu_native.load().silu_and_mul(x)
+            return native.silu_and_mul(x)
         return silu_and_mul_torch(x)
 
     def rotary_embedding(positions, query, key, cos_sin_cache):
         if query.dtype in NATIVE_DTYPES and key.dtype == query.dtype and positions.dtype == torch.int64:
-            query, key = cpu_native.load().rotary_embedding(positions, query, key, cos_sin_cache)
+            query, key = native.rotary_embedding(positions, query, key, cos_sin_cache)
             return query, key
         return rotary_embedding_torch(positions, query, key, cos_sin_cache)
 

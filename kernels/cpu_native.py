@@ -22,7 +22,10 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp")]
+SOURCES = [
+    Path(__file__).parent / "cpu" / name
+    for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp")
+]
 EXTENSION_NAME = "shardserve_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
@@ -65,21 +68,9 @@ def prefill_supported(head_dim: int, block_size: int) -> bool:
     return load().prefill_supported(head_dim, block_size)
 
 
-def paged_prefill_attention_native(query, kv_cache, block_tables, query_start_loc, context_lens, scale: float):
-    """kernels.attention.paged_prefill_attention_torch's contract: causal chunks over their cached
-    context, flash-attention style in float32; int32 metadata."""
-    return load().paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, context_lens, float(scale))
-
-
-def paged_decode_attention_native(query, kv_cache, block_tables, context_lens, scale: float):
-    """kernels.attention.paged_decode_attention_torch's contract, one fused pass over the cache.
-
-    float32 and bfloat16 only; int32 block tables and context lengths (what the model runner builds).
-    """
-    return load().paged_decode_attention(query, kv_cache, block_tables, context_lens, float(scale))
-
-
 if __name__ == "__main__":  # `python -m kernels.cpu_native`: build now (make install does), say how it went
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     module = load()
-    print(f"native CPU kernels: {'built, ' + module.__file__ if module else 'unavailable (torch references will run)'}")
+    print(
+        f"native CPU kernels: {'built, ' + module.__file__ if module else 'unavailable (torch references will run)'}"
+    )

@@ -1,6 +1,7 @@
 // Shared by the native CPU kernels: dtype loads and stores, and a vectorised exp.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
@@ -12,6 +13,19 @@
 #endif
 
 namespace shardserve {
+
+// Calls body(static_cast<T*>(nullptr)) with T the tensor's dtype, float or c10::BFloat16; any other
+// dtype is an error that names `what`.
+template <typename F>
+void dispatch_float(const at::Tensor& x, const char* what, F&& body) {
+  if (x.scalar_type() == at::kFloat) {
+    body(static_cast<float*>(nullptr));
+  } else if (x.scalar_type() == at::kBFloat16) {
+    body(static_cast<c10::BFloat16*>(nullptr));
+  } else {
+    TORCH_CHECK(false, what, ": float32 or bfloat16 only, got ", x.scalar_type());
+  }
+}
 
 inline float load(float x) { return x; }
 

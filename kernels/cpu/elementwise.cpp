@@ -125,21 +125,6 @@ void rotate_rows(const T* x, int64_t token_stride, int64_t heads, const int64_t*
   });
 }
 
-void check_rows(const at::Tensor& x, const char* what) {
-  TORCH_CHECK(x.device().is_cpu(), what, ": CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, what,
-              ": float32 or bfloat16 only, got ", x.scalar_type());
-}
-
-template <typename F>
-void dispatch(const at::Tensor& x, F&& body) {
-  if (x.scalar_type() == at::kFloat) {
-    body(static_cast<float*>(nullptr));
-  } else {
-    body(static_cast<at::BFloat16*>(nullptr));
-  }
-}
-
 // A 2-D row view with contiguous rows (any row stride), copying only when it has to.
 at::Tensor rows_of(const at::Tensor& x) {
   return x.stride(-1) == 1 ? x : x.contiguous();
@@ -149,7 +134,7 @@ at::Tensor rows_of(const at::Tensor& x) {
 
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                  const c10::optional<at::Tensor>& residual) {
-  check_rows(x, "rms_norm");
+  TORCH_CHECK(x.device().is_cpu(), "rms_norm: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "rms_norm: bad shapes");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and input dtypes differ");
   const at::Tensor xs = rows_of(x);
@@ -163,7 +148,7 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
     rs = rows_of(*residual);
     sum = at::empty({x.size(0), x.size(1)}, x.options());
   }
-  dispatch(x, [&](auto* tag) {
+  dispatch_float(x, "rms_norm", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     rms_norm_rows<T>(xs.data_ptr<T>(), xs.stride(0), rs.defined() ? rs.data_ptr<T>() : nullptr,
                      rs.defined() ? rs.stride(0) : 0, w.data_ptr<T>(), out.data_ptr<T>(),
@@ -174,12 +159,12 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_rows(x, "silu_and_mul");
+  TORCH_CHECK(x.device().is_cpu(), "silu_and_mul: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: expects [tokens, 2 * d]");
   const at::Tensor xs = rows_of(x);
   const int64_t d = x.size(1) / 2;
   at::Tensor out = at::empty({x.size(0), d}, x.options());
-  dispatch(x, [&](auto* tag) {
+  dispatch_float(x, "silu_and_mul", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     silu_and_mul_rows<T>(xs.data_ptr<T>(), xs.stride(0), out.data_ptr<T>(), x.size(0), d);
   });
@@ -188,7 +173,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
                                          const at::Tensor& cos_sin_cache) {
-  check_rows(query, "rotary_embedding");
+  TORCH_CHECK(query.device().is_cpu(), "rotary_embedding: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.size(0) == key.size(0) && query.size(2) == key.size(2),
               "rotary_embedding: expects query [tokens, heads, dim] and key [tokens, kv_heads, dim]");
   TORCH_CHECK(key.scalar_type() == query.scalar_type(), "rotary_embedding: query and key dtypes differ");
@@ -206,7 +191,7 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
     // heads of a token contiguous (a view into the fused QKV output keeps them so); rows may stride
     const at::Tensor xs = (x->stride(2) == 1 && x->stride(1) == x->size(2)) ? *x : x->contiguous();
     at::Tensor out = at::empty(x->sizes(), x->options());
-    dispatch(*x, [&](auto* tag) {
+    dispatch_float(*x, "rotary_embedding", [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
       rotate_rows<T>(xs.data_ptr<T>(), xs.stride(0), x->size(1), pos.data_ptr<int64_t>(), cache.data_ptr<float>(),
                      out.data_ptr<T>(), x->size(0), x->size(2));

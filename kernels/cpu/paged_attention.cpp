@@ -18,21 +18,15 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <type_traits>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
 
 namespace shardserve {
 namespace {
-
-
 
 // s[t] = exp(s[t] - peak) for t < count; returns their sum.
 inline float exp_and_sum(float* s, int64_t count, float peak) {
@@ -328,6 +322,16 @@ void check_tables(const at::Tensor& tables, const at::Tensor& lens, int64_t bloc
   }
 }
 
+// What both attention kernels require of their inputs (the block tables are checked by check_tables).
+void check_attention_inputs(const at::Tensor& query, const at::Tensor& kv_cache, const char* what) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), what, ": CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, what, ": bad shapes");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), what, ": query and cache dtypes differ");
+  TORCH_CHECK(query.size(1) % kv_cache.size(1) == 0, what, ": heads not a multiple of KV heads");
+  TORCH_CHECK(query.size(2) == kv_cache.size(4), what, ": head_dim differs from the cache's");
+  TORCH_CHECK(kv_cache.is_contiguous(), what, ": the cache must be contiguous");
+}
+
 bool prefill_supported(int64_t head_dim, int64_t block_size) {
 #if defined(__AVX512F__)
   return head_dim % 16 == 0 && head_dim <= kMaxDim && block_size == kKeys;
@@ -338,17 +342,12 @@ bool prefill_supported(int64_t head_dim, int64_t block_size) {
 
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                    const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill_attention: CPU tensors only");
-  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_prefill_attention: bad shapes");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "paged_prefill_attention: query and cache dtypes differ");
-  TORCH_CHECK(query.size(1) % kv_cache.size(1) == 0, "paged_prefill_attention: heads not a multiple of KV heads");
-  TORCH_CHECK(query.size(2) == kv_cache.size(4), "paged_prefill_attention: head_dim differs from the cache's");
+  check_attention_inputs(query, kv_cache, "paged_prefill_attention");
   TORCH_CHECK(prefill_supported(query.size(2), kv_cache.size(3)),
               "paged_prefill_attention: needs AVX-512, head_dim a multiple of 16 (<= 256) and block_size 16");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt,
               "paged_prefill_attention: block_tables, query_start_loc and context_lens must be int32");
-  TORCH_CHECK(kv_cache.is_contiguous(), "paged_prefill_attention: the cache must be contiguous");
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor starts = query_start_loc.contiguous();
@@ -376,13 +375,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
                          out.data_ptr<T>(), tables.size(0), q.size(1), num_kv_heads, num_blocks, tables.size(1), dim,
                          static_cast<float>(scale));
   };
-  if (q.scalar_type() == at::kFloat) {
-    run(static_cast<float*>(nullptr));
-  } else if (q.scalar_type() == at::kBFloat16) {
-    run(static_cast<at::BFloat16*>(nullptr));
-  } else {
-    TORCH_CHECK(false, "paged_prefill_attention: float32 or bfloat16 only, got ", q.scalar_type());
-  }
+  dispatch_float(q, "paged_prefill_attention", run);
 #endif
   return out;
 }
@@ -411,27 +404,18 @@ void dispatch_dim(const at::Tensor& query, const at::Tensor& kv_cache, const at:
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode_attention: CPU tensors only");
-  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_decode_attention: bad shapes");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "paged_decode_attention: query and cache dtypes differ");
-  TORCH_CHECK(query.size(1) % kv_cache.size(1) == 0, "paged_decode_attention: heads not a multiple of KV heads");
-  TORCH_CHECK(query.size(2) == kv_cache.size(4), "paged_decode_attention: head_dim differs from the cache's");
+  check_attention_inputs(query, kv_cache, "paged_decode_attention");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "paged_decode_attention: block_tables and context_lens must be int32");
-  TORCH_CHECK(kv_cache.is_contiguous(), "paged_decode_attention: the cache must be contiguous");
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = context_lens.contiguous();
   check_tables(tables, lens, kv_cache.size(3), kv_cache.size(2), "paged_decode_attention");
   TORCH_CHECK(lens.size(0) == q.size(0), "paged_decode_attention: one context length per query");
   at::Tensor out = at::empty_like(q);
-  if (q.scalar_type() == at::kFloat) {
-    dispatch_dim<float>(q, kv_cache, tables, lens, out, scale);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    dispatch_dim<at::BFloat16>(q, kv_cache, tables, lens, out, scale);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
-  }
+  dispatch_float(q, "paged_decode_attention", [&](auto* tag) {
+    dispatch_dim<std::remove_pointer_t<decltype(tag)>>(q, kv_cache, tables, lens, out, scale);
+  });
   return out;
 }
 
