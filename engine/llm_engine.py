@@ -19,6 +19,7 @@ from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence
+from kernels.backend import get_backend
 
 RECENT_STEPS = 4096  # steps remembered for metrics between two scrapes
 
@@ -50,6 +51,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.detokenizer = Detokenizer(self.tokenizer)
+        # rank 0's logits are sampled where they were computed, by that device's fused sampler
+        self.sampling_backend = get_backend(config.kernel_backend, config.resolved_device().type)
         eos = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
@@ -155,7 +158,7 @@ class LLMEngine:
             chunk.seq.num_computed_tokens += chunk.num_tokens
         if to_sample:
             now = time.time()
-            for seq, token in zip(to_sample, sample(logits, to_sample, self.eos_token_ids)):
+            for seq, token in zip(to_sample, sample(logits, to_sample, self.eos_token_ids, self.sampling_backend)):
                 seq.append_token(token.token_id, token.logprobs)
                 request = seq.request
                 if request.metrics.first_token_time is None:

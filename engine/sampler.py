@@ -1,7 +1,9 @@
-"""Batched token selection: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
+"""Batched token selection: penalties, then one fused op (temperature, top-k / top-p / min-p and the
+draw: kernels/sampling.py), then logprobs from the raw logits.
 
-Every transform is one tensor op over the whole batch; the only per-row Python work is drawing
-noise for rows that carry their own seed (so their samples do not depend on batch composition).
+Each sequence draws from its own counter-based stream (`Sequence.sampling_seed`, the output position
+as the counter), so a seeded request's tokens do not depend on what else is in the batch, on prefix
+cache hits or on preemption; unseeded sequences get a fresh random seed each.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import Sequence
+from kernels.backend import KernelBackend, get_backend
+from kernels.sampling import counter_uniforms
 
 
 @dataclass
@@ -19,19 +23,25 @@ class SampledToken:
     logprobs: dict[int, float] | None  # chosen token and the top-n, when requested
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> list[SampledToken]:
-    """logits: [num_seqs, vocab] float32 (raw, one row per sequence) -> one token per sequence."""
+def sample(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    eos_token_ids: tuple[int, ...],
+    backend: KernelBackend | None = None,
+) -> list[SampledToken]:
+    """logits: [num_seqs, vocab] float32 (raw, one row per sequence) -> one token per sequence.
+    `backend` runs the fused selection (default: the best for the logits' device)."""
     params = [seq.sampling_params for seq in seqs]
     num_logprobs = [p.logprobs for p in params]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs) else None
 
     logits = _apply_penalties(logits, seqs)
     logits = _suppress_early_stop(logits, seqs, eos_token_ids)
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    if bool(greedy.all()):
+    if all(p.greedy for p in params):
         token_ids = logits.argmax(dim=-1)
     else:
-        token_ids = torch.where(greedy, logits.argmax(dim=-1), _sample_random(logits, seqs))
+        backend = backend or get_backend("auto", logits.device.type)
+        token_ids = _select(logits, seqs, backend)
     token_list = token_ids.tolist()
 
     if raw_logprobs is None:
@@ -88,35 +98,17 @@ def _suppress_early_stop(
     return logits
 
 
-def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _select(logits: torch.Tensor, seqs: list[Sequence], backend: KernelBackend) -> torch.Tensor:
+    """[num_seqs] int64: the fused op over every row; greedy rows go in with temperature 0."""
     params = [seq.sampling_params for seq in seqs]
-    vocab = logits.shape[-1]
-    logits = logits / _column([p.temperature if p.temperature > 0 else 1.0 for p in params], logits)
-
-    top_k = _column([p.top_k if p.top_k > 0 else vocab for p in params], logits, torch.long)
-    top_p = _column([p.top_p for p in params], logits)
-    if bool((top_k < vocab).any() or (top_p < 1).any()):
-        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop = mass_before > top_p  # the most likely token always stays
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
-
-    probs = torch.softmax(logits, dim=-1)
-    min_p = _column([p.min_p for p in params], logits)
-    if bool((min_p > 0).any()):
-        threshold = min_p * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
-
-    # Gumbel-style race: argmax(p / E) with E ~ Exp(1) draws from p.
-    noise = torch.empty_like(probs).exponential_()
-    for row, seq in enumerate(seqs):
-        if seq.generator is not None:
-            noise[row] = torch.empty(vocab).exponential_(generator=seq.generator).to(noise.device)
-    return (probs / noise).argmax(dim=-1)
+    device = logits.device
+    temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=device)
+    top_k = torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int32, device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    # the counter is the index of the token being drawn: a recompute after preemption redraws the same
+    uniforms = counter_uniforms([seq.sampling_seed for seq in seqs], [seq.num_output_tokens for seq in seqs])
+    return backend.sample_tokens(logits.float(), temperature, top_k, top_p, min_p, uniforms.to(device))
 
 
 def _column(values: list, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import enum
 import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.config import SamplingParams
+from kernels.sampling import sequence_seed
 
 
 class SequenceStatus(enum.Enum):
@@ -70,10 +70,10 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
-        self.generator: torch.Generator | None = None
+        # the counter-based noise stream this sequence draws from (kernels/sampling.py): the request's
+        # seed makes it reproducible; without one, fresh entropy per sequence
         seed = request.sampling_params.seed
-        if seed is not None:
-            self.generator = torch.Generator().manual_seed(seed + index)
+        self.sampling_seed = sequence_seed(seed, index) if seed is not None else secrets.randbits(64)
         # detokenizer state (engine/detokenizer.py)
         self.text = ""
         self.num_emitted_chars = 0

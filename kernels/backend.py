@@ -24,6 +24,7 @@ from kernels.attention import paged_decode_attention_torch, paged_prefill_attent
 from kernels.cache import write_kv_cache_torch
 from kernels.norm import rms_norm_torch
 from kernels.rotary import rotary_embedding_torch
+from kernels.sampling import sample_tokens_torch
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class KernelBackend:
     rms_norm: Callable
     rotary_embedding: Callable
     silu_and_mul: Callable
+    sample_tokens: Callable
 
 
 TORCH = KernelBackend(
@@ -45,6 +47,7 @@ TORCH = KernelBackend(
     rms_norm=rms_norm_torch,
     rotary_embedding=rotary_embedding_torch,
     silu_and_mul=silu_and_mul_torch,
+    sample_tokens=sample_tokens_torch,
 )
 
 
@@ -56,6 +59,7 @@ def _triton_backend() -> KernelBackend:
     from kernels.norm_triton import rms_norm_triton
     from kernels.prefill_attention_triton import paged_prefill_attention_triton
     from kernels.rotary_triton import rotary_embedding_triton
+    from kernels.sampling_triton import sample_tokens_triton
 
     return KernelBackend(
         name="triton",
@@ -65,6 +69,7 @@ def _triton_backend() -> KernelBackend:
         rms_norm=rms_norm_triton,
         rotary_embedding=rotary_embedding_triton,
         silu_and_mul=silu_and_mul_triton,
+        sample_tokens=sample_tokens_triton,
     )
 
 
@@ -76,7 +81,7 @@ NATIVE_DTYPES = (
 
 @functools.cache
 def _native_cpu_backend() -> KernelBackend | None:
-    """The native CPU kernels (attention, RMSNorm, SiLU-and-mul, rotary; the KV write stays the
+    """The native CPU kernels (attention, RMSNorm, SiLU-and-mul, rotary, sampling; the KV write stays the
     reference's index_copy_), each falling back to its reference for inputs it doesn't take; or None
     where the extension can't be built."""
     native = cpu_native.load()
@@ -124,9 +129,15 @@ def _native_cpu_backend() -> KernelBackend | None:
             return query, key
         return rotary_embedding_torch(positions, query, key, cos_sin_cache)
 
+    def sample_tokens(logits, temperature, top_k, top_p, min_p, uniforms):
+        if logits.dtype == torch.float32:
+            return native.sample_tokens(logits, temperature, top_k, top_p, min_p, uniforms)
+        return sample_tokens_torch(logits, temperature, top_k, top_p, min_p, uniforms)
+
     return dataclasses.replace(
         TORCH,
         name="cpu",
+        sample_tokens=sample_tokens,
         paged_decode_attention=paged_decode_attention,
         paged_prefill_attention=paged_prefill_attention,
         rms_norm=rms_norm,

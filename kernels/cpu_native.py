@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "cpu" / name
-    for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp")
+    for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp", "sampling.cpp")
 ]
 EXTENSION_NAME = "shardserve_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]

@@ -15,6 +15,8 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
 at::Tensor silu_and_mul(const at::Tensor& x);
 std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
                                          const at::Tensor& cos_sin_cache);
+at::Tensor sample_tokens(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                         const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& uniforms);
 }  // namespace shardserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -24,5 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether paged_prefill_attention takes this head_dim and block_size");
   m.def("rms_norm", &shardserve::rms_norm, "RMSNorm, optionally after a residual add: [out] or [out, sum]");
   m.def("silu_and_mul", &shardserve::silu_and_mul, "silu(gate) * up over [tokens, 2 * d]");
+  m.def("sample_tokens", &shardserve::sample_tokens,
+        "One token per row: temperature, top-k, top-p, min-p, inverse-transform draw (kernels/sampling.py)");
   m.def("rotary_embedding", &shardserve::rotary_embedding, "Rotary embedding of query and key: [query, key]");
 }

@@ -20,16 +20,43 @@ def prompts(n, length=20, seed=0):
     return [[rng.randrange(3, 512) for _ in range(length)] for _ in range(n)]
 
 
-def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
-    target = prompts(1, seed=1)[0]
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+def test_a_seeded_request_draws_the_same_tokens_alone_in_a_batch_of_50_after_a_prefix_hit_and_after_preemption(
+    tiny_llama_dir,
+):
+    target = prompts(1, length=40, seed=1)[0]
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", enable_prefix_caching=True)
     alone = llm.generate([target], params)[0].outputs[0].token_ids
-    others = prompts(5, length=33, seed=2)
-    mixed_params = [SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)] * 5 + [params]
-    in_batch = llm.generate(others + [target], mixed_params)[-1].outputs[0].token_ids
-    assert alone == in_batch
-    different_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
+    assert len(set(alone)) > 8  # a real random walk, not a collapsed one
+
+    # a prefix-cache hit: the prompt's full blocks are already cached by the run above
+    again = llm.generate([target], params)[0]
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == alone
+
+    # in a batch of 50 with unseeded sampled neighbours of other lengths
+    others = prompts(49, length=33, seed=2)
+    neighbours = [SamplingParams(temperature=0.8, top_k=40, max_tokens=10, ignore_eos=True)] * 49
+    in_batch = llm.generate(others[:20] + [target] + others[20:], neighbours[:20] + [params] + neighbours[20:])
+    assert in_batch[20].outputs[0].token_ids == alone
+
+    # preempted and recomputed: 12 blocks of 16 tokens for six 40-token prompts growing by 24 (the
+    # fourth admitted is the one the pool runs short on)
+    small = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=12, max_model_len=128)
+    crowd = prompts(5, length=40, seed=3)
+    unseeded = [params.model_copy(update={"seed": None})] * 5
+    under_pressure = small.generate(crowd[:3] + [target] + crowd[3:], unseeded[:3] + [params] + unseeded[3:])
+    assert under_pressure[3].metrics.preemptions, "the pool was large enough: the request was never preempted"
+    assert under_pressure[3].outputs[0].token_ids == alone
+
+    different_seed = params.model_copy(update={"seed": 99})
     assert llm.generate([target], different_seed)[0].outputs[0].token_ids != alone
+
+
+def test_unseeded_requests_draw_from_fresh_entropy(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    first, second = llm.generate([prompts(1)[0]] * 2, params)
+    assert first.outputs[0].token_ids != second.outputs[0].token_ids
 
 
 def test_n_choices_with_a_seed_differ_from_each_other_and_repeat_across_runs(llm):

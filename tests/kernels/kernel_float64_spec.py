@@ -99,3 +99,41 @@ def rotary_embedding(positions, x, inv_freq):
 def silu_and_mul(x):
     gate, up = x.double().chunk(2, dim=-1)
     return gate * torch.sigmoid(gate) * up
+
+
+def sample_tokens(logits, temperature, top_k, top_p, min_p, uniforms) -> list[int]:
+    """kernels/sampling.py's contract, one token at a time in float64 Python."""
+    out = []
+    for row, x in enumerate(logits.double().tolist()):
+        vocab = len(x)
+        t = float(temperature[row])
+        if t == 0.0:
+            out.append(max(range(vocab), key=lambda i: (x[i], -i)))  # the first of equal maxima
+            continue
+        descending = sorted(range(vocab), key=lambda i: -x[i])
+        kept = [True] * vocab
+        k = int(top_k[row])
+        if 0 < k < vocab:
+            kth = x[descending[k - 1]]
+            kept = [x[i] >= kth for i in range(vocab)]
+        largest = max(x)
+        e = [math.exp((x[i] - largest) / t) if kept[i] else 0.0 for i in range(vocab)]
+        p = float(top_p[row])
+        if p < 1.0:
+            target, mass = p * sum(e), 0.0
+            for i in descending:
+                mass += e[i]
+                if mass >= target:
+                    kept = [kept[j] and x[j] >= x[i] for j in range(vocab)]
+                    break
+        kept = [kept[i] and e[i] >= float(min_p[row]) for i in range(vocab)]
+        probs = [e[i] if kept[i] else 0.0 for i in range(vocab)]
+        target, running = float(uniforms[row]) * sum(probs), 0.0
+        chosen = max(i for i in range(vocab) if kept[i])
+        for i in range(vocab):
+            running += probs[i]
+            if running > target:
+                chosen = i
+                break
+        out.append(chosen)
+    return out
