@@ -33,6 +33,7 @@ test: install
 bench: install
 	$(PY) -m scripts.bench_engine --write-doc
 	$(PY) -m scripts.bench_cpu_kernels --write-doc
+	$(PY) -m scripts.bench_sampler --write-doc
 	bash scripts/run_bench.sh
 	$(PY) -m scripts.bench_serve_overhead --write-doc
 	$(PY) -m scripts.bench_tp

