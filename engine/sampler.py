@@ -100,15 +100,23 @@ def _suppress_early_stop(
 
 def _select(logits: torch.Tensor, seqs: list[Sequence], backend: KernelBackend) -> torch.Tensor:
     """[num_seqs] int64: the fused op over every row; greedy rows go in with temperature 0."""
-    params = [seq.sampling_params for seq in seqs]
-    device = logits.device
-    temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=device)
-    top_k = torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int32, device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
+    rows = []
+    for seq in seqs:
+        p = seq.sampling_params
+        rows.append((0.0 if p.greedy else p.temperature, p.top_p, p.min_p, max(p.top_k, 0)))
+    table = torch.tensor(rows, dtype=torch.float32)  # [num_seqs, 4]: one tensor built, not four
+    top_k = table[:, 3].to(torch.int32)
     # the counter is the index of the token being drawn: a recompute after preemption redraws the same
     uniforms = counter_uniforms([seq.sampling_seed for seq in seqs], [seq.num_output_tokens for seq in seqs])
-    return backend.sample_tokens(logits.float(), temperature, top_k, top_p, min_p, uniforms.to(device))
+    device = logits.device
+    return backend.sample_tokens(
+        logits.float(),
+        table[:, 0].to(device),
+        top_k.to(device),
+        table[:, 1].to(device),
+        table[:, 2].to(device),
+        uniforms.to(device),
+    )
 
 
 def _column(values: list, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
