@@ -61,7 +61,7 @@ from vllm.inputs import TokensPrompt
 args = json.load(open(sys.argv[1]))
 llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=1024, enable_prefix_caching=False)
 prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
-llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # as shardserve's warm-up
 result = {}
 for mode, temperature in args["modes"].items():
     params = SamplingParams(temperature=temperature, max_tokens=args["output_len"], ignore_eos=True)
@@ -117,7 +117,7 @@ def offline_shardserve(model_dir: str, dtype: str, prompts, output_len: int) -> 
         "from scripts.bench_engine import timed_generate\n"
         "args = json.load(open(sys.argv[1]))\n"
         "llm = LLM(model=args['model'], dtype=args['dtype'], max_model_len=1024)\n"
-        "llm.generate(args['prompts'][:2], SamplingParams(max_tokens=4, ignore_eos=True))\n"
+        "llm.generate(args['prompts'], SamplingParams(max_tokens=2, ignore_eos=True))\n"  # touches the KV cache
         "result = {m: timed_generate(llm, args['prompts'], args['output_len'], t) "
         "for m, t in (('greedy', 0.0), ('sampled', 1.0))}\n"
         "print('RESULT ' + json.dumps(result), flush=True)\n"
