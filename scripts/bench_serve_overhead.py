@@ -6,7 +6,11 @@ times TTFT and total latency as the median of --repeats requests:
   (b) through `shardserve serve` (Ray Serve proxy, replica, FastAPI, SSE) with a streaming
       /v1/completions request from an httpx client on 127.0.0.1.
 The difference is the serving path's overhead (issue target: ≤ 5 ms on median TTFT).
-Writes its table into docs/BENCHMARKS.md with --write-doc.
+Then under load: --load-prompts prompts of --load-prompt-tokens token ids → 128 tokens at concurrency
+--load-concurrency, greedy and sampled (temperature 1.0), generated tokens per second (a) in process and
+(b) through Serve (streamed, the same token-id prompts): the served/in-process ratio is what the whole
+serving path costs at that load (issue target: ≥ 0.95 at concurrency 50, greedy).
+Writes its tables into docs/BENCHMARKS.md with --write-doc.
 """
 
 from __future__ import annotations
@@ -54,6 +58,71 @@ async def in_process(model_dir: str, dtype: str, prompt_ids, output_tokens: int)
     return ttfts, latencies
 
 
+async def in_process_load(engine, prompt_ids, output_tokens: int, concurrency: int, temperature: float) -> float:
+    """Generated tokens per second with `concurrency` requests in flight, in process."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=output_tokens, ignore_eos=True)
+    queue = list(enumerate(prompt_ids))
+    generated = 0
+
+    async def client():
+        nonlocal generated
+        while queue:
+            i, ids = queue.pop(0)
+            async for delta in engine.generate(ids, params, f"load-{temperature}-{i}-{random.random()}"):
+                generated += sum(len(o.token_ids) for o in delta.outputs)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return generated / (time.perf_counter() - start)
+
+
+async def served_load(base_url: str, model: str, prompt_ids, output_tokens: int, concurrency: int,
+                      temperature: float) -> float:
+    """Generated tokens per second through the server, streamed, `concurrency` requests in flight."""
+    body = {"model": model, "max_tokens": output_tokens, "temperature": temperature, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    queue = list(prompt_ids)
+    generated = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+
+        async def worker():
+            nonlocal generated
+            while queue:
+                ids = queue.pop(0)
+                async with client.stream("POST", "/v1/completions", json={**body, "prompt": ids}) as response:
+                    response.raise_for_status()
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {") and '"usage"' in line:
+                            usage = json.loads(line[6:]).get("usage")
+                            if usage:
+                                generated += usage["completion_tokens"]
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return generated / (time.perf_counter() - start)
+
+
+async def in_process_loads(model_dir: str, dtype: str, prompt_ids, concurrency: int) -> dict[str, float]:
+    from engine import AsyncLLMEngine, EngineConfig
+
+    # the settings `shardserve serve` runs with on CPU (its 2048-token step budget)
+    engine = AsyncLLMEngine(EngineConfig(model=model_dir, dtype=dtype, max_model_len=1024,
+                                         max_num_batched_tokens=2048))
+    try:
+        await in_process_load(engine, prompt_ids[:concurrency], 2, concurrency, 1.0)  # warm-up: touch the KV cache
+        return {mode: await in_process_load(engine, prompt_ids, 128, concurrency, temperature)
+                for mode, temperature in LOAD_MODES.items()}
+    finally:
+        engine.shutdown()
+
+
+LOAD_MODES = {"greedy": 0.0, "sampled": 1.0}
+
+
 def through_serve(base_url: str, model: str, prompt_ids, output_tokens: int) -> tuple[list, list]:
     body = {"model": model, "max_tokens": output_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
     ttfts, latencies = [], []
@@ -81,6 +150,10 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--load-concurrency", type=int, default=50)
+    parser.add_argument("--load-prompts", type=int, default=150)
+    parser.add_argument("--load-prompt-tokens", type=int, default=512)
+    parser.add_argument("--no-load", dest="load", action="store_false", help="concurrency 1 only")
     parser.add_argument("--write-doc", action="store_true")
     args = parser.parse_args(argv)
 
@@ -89,14 +162,25 @@ def main(argv=None) -> None:
     model_dir = args.model or str(ensure_demo_model())
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     ids = prompts(args.repeats, args.prompt_tokens, vocab)
+    load_ids = prompts(args.load_prompts, args.load_prompt_tokens, vocab, seed=1)
     results = {}
     for output_tokens in (1, 128):
         results[("engine", output_tokens)] = asyncio.run(in_process(model_dir, args.dtype, ids, output_tokens))
+    loads = {}
+    if args.load:
+        loads["engine"] = asyncio.run(in_process_loads(model_dir, args.dtype, load_ids, args.load_concurrency))
+        print(f"in process: {loads['engine']}", flush=True)
     server = ServerProcess(model_dir, extra_args=["--dtype", args.dtype, "--max-model-len", "1024"])
     with server.start(timeout_s=300):
         model = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
         for output_tokens in (1, 128):
             results[("serve", output_tokens)] = through_serve(server.base_url, model, ids, output_tokens)
+        if args.load:
+            c = args.load_concurrency
+            asyncio.run(served_load(server.base_url, model, load_ids[:c], 2, c, 1.0))  # warm-up
+            loads["serve"] = {mode: asyncio.run(served_load(server.base_url, model, load_ids, 128, c, temperature))
+                              for mode, temperature in LOAD_MODES.items()}
+            print(f"served: {loads['serve']}", flush=True)
 
     lines = [
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, 2-core CPU, model "
@@ -114,6 +198,18 @@ def main(argv=None) -> None:
             f"| {output_tokens} | {e_ttft:.1f} | {s_ttft:.1f} | {s_ttft - e_ttft:+.1f} | {e_lat:.1f} | "
             f"{s_lat:.1f} | {s_lat - e_lat:+.1f} |"
         )
+    if loads:
+        lines += [
+            "",
+            f"Under load: {args.load_prompts} prompts of {args.load_prompt_tokens} token ids → 128 tokens, "
+            f"concurrency {args.load_concurrency}, generated tok/s:",
+            "",
+            "| sampling | in process | through Serve | served / in process |",
+            "|---|---|---|---|",
+        ]
+        for mode in LOAD_MODES:
+            engine_tok_s, served_tok_s = loads["engine"][mode], loads["serve"][mode]
+            lines.append(f"| {mode} | {engine_tok_s:.0f} | {served_tok_s:.0f} | {served_tok_s / engine_tok_s:.2f} |")
     table = "\n".join(lines)
     print(table)
     if args.write_doc:
