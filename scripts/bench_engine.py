@@ -56,13 +56,15 @@ def timed_generate(llm, prompts, output_len: int, temperature: float) -> float:
 
 
 def bench_engine(model_dir: str, dtype: str, prompts, output_len: int) -> dict:
+    """Greedy on `prompts`, then sampled on a second set of the same shape: prefix caching is off (as
+    for vLLM in scripts/bench_peer.py), so no run reuses another's prefill."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype=dtype, max_model_len=1024)
-    # warm-up over every prompt: the first pass through the KV cache pays its page faults (~2x slower)
-    llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True))
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=1024, enable_prefix_caching=False)
+    llm.generate(prompts[:2], SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))  # warm-up
     greedy = timed_generate(llm, prompts, output_len, 0.0)
-    sampled = timed_generate(llm, prompts, output_len, 1.0)
+    second = make_prompts(len(prompts), len(prompts[0]), 32000, seed=1)
+    sampled = timed_generate(llm, second, output_len, 1.0)
     return {"tok_s": greedy, "sampled_tok_s": sampled, "llm": llm}
 
 

@@ -61,15 +61,22 @@ from vllm.inputs import TokensPrompt
 args = json.load(open(sys.argv[1]))
 llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=1024, enable_prefix_caching=False)
 prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
-llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # as shardserve's warm-up
+llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
 result = {}
 for mode, temperature in args["modes"].items():
     params = SamplingParams(temperature=temperature, max_tokens=args["output_len"], ignore_eos=True)
+    batch = [TokensPrompt(prompt_token_ids=p) for p in args["prompts_by_mode"][mode]]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(batch, params, use_tqdm=False)
     result[mode] = sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
 print("RESULT " + json.dumps(result), flush=True)
 """
+
+
+def run_seed(mode: str, concurrency: int) -> int:
+    """Each run's prompts differ from every other run's (both servers get the same ones): a repeated
+    prompt would be a free prefix-cache hit for shardserve, whose prefix caching is on by default."""
+    return 1000 * list(MODES).index(mode) + concurrency
 
 
 @dataclass
@@ -96,10 +103,11 @@ def _tcmalloc(vllm_python: str) -> str | None:
     return str(lib) if lib.is_file() else None
 
 
-def offline_vllm(vllm_python: str, model_dir: str, dtype: str, prompts, output_len: int) -> dict[str, float]:
+def offline_vllm(vllm_python: str, model_dir: str, dtype: str, prompts: dict, output_len: int) -> dict[str, float]:
+    """`prompts`: one set per mode (no run can reuse another's prefill)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"model": model_dir, "dtype": dtype, "prompts": prompts, "output_len": output_len,
-                   "modes": {"greedy": 0.0, "sampled": 1.0}}, f)
+        json.dump({"model": model_dir, "dtype": dtype, "prompts": prompts["greedy"], "output_len": output_len,
+                   "prompts_by_mode": prompts, "modes": {"greedy": 0.0, "sampled": 1.0}}, f)
     done = subprocess.run([vllm_python, "-c", _VLLM_OFFLINE, f.name], env=vllm_env(vllm_python), cwd="/tmp",
                           capture_output=True, text=True, timeout=1800)
     os.unlink(f.name)
@@ -109,16 +117,16 @@ def offline_vllm(vllm_python: str, model_dir: str, dtype: str, prompts, output_l
     raise RuntimeError(f"vLLM's offline run failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
-def offline_shardserve(model_dir: str, dtype: str, prompts, output_len: int) -> dict[str, float]:
-    """In a child process, so this one holds no engine while the servers run."""
+def offline_shardserve(model_dir: str, dtype: str, prompts: dict, output_len: int) -> dict[str, float]:
+    """In a child process, so this one holds no engine while the servers run; prefix caching off, as vLLM's."""
     code = (
         "import json, sys\n"
         "from engine import LLM, SamplingParams\n"
         "from scripts.bench_engine import timed_generate\n"
         "args = json.load(open(sys.argv[1]))\n"
-        "llm = LLM(model=args['model'], dtype=args['dtype'], max_model_len=1024)\n"
-        "llm.generate(args['prompts'], SamplingParams(max_tokens=2, ignore_eos=True))\n"  # touches the KV cache
-        "result = {m: timed_generate(llm, args['prompts'], args['output_len'], t) "
+        "llm = LLM(model=args['model'], dtype=args['dtype'], max_model_len=1024, enable_prefix_caching=False)\n"
+        "llm.generate(args['prompts']['greedy'][:2], SamplingParams(max_tokens=4, ignore_eos=True))\n"
+        "result = {m: timed_generate(llm, args['prompts'][m], args['output_len'], t) "
         "for m, t in (('greedy', 0.0), ('sampled', 1.0))}\n"
         "print('RESULT ' + json.dumps(result), flush=True)\n"
     )
@@ -141,7 +149,7 @@ def vllm_client(vllm_python: str, server: ServerProcess, model_dir: str, mode: s
             "--model", model_dir, "--tokenizer", model_dir, "--dataset-name", "random",
             "--random-input-len", str(args.prompt_tokens), "--random-output-len", str(args.output_tokens),
             "--ignore-eos", "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "95", "--seed", "0",
+            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "95", "--seed", str(run_seed(mode, concurrency)),
             "--disable-tqdm", "--save-result", "--result-dir", out_dir, "--result-filename", "result.json",
         ]
         if MODES[mode] is not None:
@@ -163,7 +171,7 @@ def shardserve_client(server: ServerProcess, model_dir: str, mode: str, concurre
     bench_args = BenchArgs(
         base_url=server.base_url, tokenizer=model_dir, prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens, concurrency=[concurrency], num_prompts=[num_prompts], warmup=2,
-        temperature=MODES[mode], progress=False, seed=0,
+        temperature=MODES[mode], progress=False, seed=run_seed(mode, concurrency),
     )
     [summary] = asyncio.run(run_bench(bench_args)).summaries
     if summary.failures:
@@ -241,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
 
     offline: dict[str, dict[str, float]] = {}
     if args.offline:
-        prompts = make_prompts(64, args.prompt_tokens, 32000)
+        prompts = {mode: make_prompts(64, args.prompt_tokens, 32000, seed=seed)
+                   for seed, mode in enumerate(("greedy", "sampled"))}
         offline["vllm"] = offline_vllm(args.vllm_python, model_dir, dtype, prompts, args.output_tokens)
         offline["shardserve"] = offline_shardserve(model_dir, dtype, prompts, args.output_tokens)
         print(f"offline: {offline}", flush=True)

@@ -106,15 +106,15 @@ async def served_load(base_url: str, model: str, prompt_ids, output_tokens: int,
         return generated / (time.perf_counter() - start)
 
 
-async def in_process_loads(model_dir: str, dtype: str, prompt_ids, concurrency: int) -> dict[str, float]:
+async def in_process_loads(model_dir: str, dtype: str, load_ids: dict, concurrency: int) -> dict[str, float]:
     from engine import AsyncLLMEngine, EngineConfig
 
     # the settings `shardserve serve` runs with on CPU (its 2048-token step budget)
     engine = AsyncLLMEngine(EngineConfig(model=model_dir, dtype=dtype, max_model_len=1024,
                                          max_num_batched_tokens=2048))
     try:
-        await in_process_load(engine, prompt_ids[:concurrency], 2, concurrency, 1.0)  # warm-up: touch the KV cache
-        return {mode: await in_process_load(engine, prompt_ids, 128, concurrency, temperature)
+        await in_process_load(engine, load_ids["warm-up"], 2, concurrency, 1.0)
+        return {mode: await in_process_load(engine, load_ids[mode], 128, concurrency, temperature)
                 for mode, temperature in LOAD_MODES.items()}
     finally:
         engine.shutdown()
@@ -162,7 +162,10 @@ def main(argv=None) -> None:
     model_dir = args.model or str(ensure_demo_model())
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     ids = prompts(args.repeats, args.prompt_tokens, vocab)
-    load_ids = prompts(args.load_prompts, args.load_prompt_tokens, vocab, seed=1)
+    # a prompt set per run: with prefix caching on (the server's default), a repeated set would skip its prefill
+    load_ids = {name: prompts(args.load_prompts if name in LOAD_MODES else args.load_concurrency,
+                              args.load_prompt_tokens, vocab, seed=seed)
+                for seed, name in enumerate(["warm-up", *LOAD_MODES], start=1)}
     results = {}
     for output_tokens in (1, 128):
         results[("engine", output_tokens)] = asyncio.run(in_process(model_dir, args.dtype, ids, output_tokens))
@@ -177,9 +180,11 @@ def main(argv=None) -> None:
             results[("serve", output_tokens)] = through_serve(server.base_url, model, ids, output_tokens)
         if args.load:
             c = args.load_concurrency
-            asyncio.run(served_load(server.base_url, model, load_ids[:c], 2, c, 1.0))  # warm-up
-            loads["serve"] = {mode: asyncio.run(served_load(server.base_url, model, load_ids, 128, c, temperature))
-                              for mode, temperature in LOAD_MODES.items()}
+            asyncio.run(served_load(server.base_url, model, load_ids["warm-up"], 2, c, 1.0))
+            loads["serve"] = {
+                mode: asyncio.run(served_load(server.base_url, model, load_ids[mode], 128, c, temperature))
+                for mode, temperature in LOAD_MODES.items()
+            }
             print(f"served: {loads['serve']}", flush=True)
 
     lines = [
