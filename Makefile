@@ -27,9 +27,11 @@ run: install
 test: install
 	$(PY) -m pytest -q -ra --durations=15
 
-# Every figure in docs/BENCHMARKS.md (about 40 minutes on 2 cores): offline engine vs HF vs the
-# forward-pass limit, the serving load test (shardserve bench), TP step times, prefix caching and
-# swap, tracing overhead. Each step rewrites its own block of the doc.
+# Every figure in docs/BENCHMARKS.md (about 40 minutes on 2 cores, plus about an hour for the side by side
+# with vLLM): offline engine vs HF vs the forward-pass limit, the sampler alone, the serving load test
+# (shardserve bench), the serving path's overhead, TP step times, prefix caching and swap, tracing
+# overhead, and vLLM's CPU build beside shardserve (scripts/setup_peer.sh installs it once, ~3 minutes).
+# Each step rewrites its own block of the doc.
 bench: install
 	$(PY) -m scripts.bench_engine --write-doc
 	$(PY) -m scripts.bench_cpu_kernels --write-doc
@@ -40,6 +42,7 @@ bench: install
 	$(PY) -m scripts.bench_prefix --write-doc
 	$(PY) -m scripts.bench_tracing
 	$(PY) -m scripts.bench_tracing --micro
+	$(PY) -m scripts.bench_peer --vllm-python "$$(bash scripts/setup_peer.sh)" --write-doc
 
 lint: install
 	$(VENV)/bin/ruff check .

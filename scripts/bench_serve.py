@@ -261,7 +261,8 @@ def doc_body(summaries, args, dtype: str, load_note: str, csv_name: str, png_nam
         f"(`python -m scripts.bench_serve`) at commit {git_commit()} on {cpu_description()}: "
         f"model `{args.model_name}` in {dtype}, "
         f"{args.prompt_tokens} prompt tokens, {args.output_tokens} output tokens (ignore_eos), "
-        f"streamed /v1/completions, client on the same cores. {load_note}{peer}",
+        f"streamed /v1/completions, no temperature sent (each server samples at its default, 1.0, as with "
+        f"`vllm bench serve`), client on the same cores. {load_note}{peer}",
         "",
         format_table(summaries, markdown=True),
         "",
