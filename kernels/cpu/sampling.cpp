@@ -1,9 +1,11 @@
 // Token selection on CPU, kernels/sampling.py's contract: temperature, top-k, top-p, min-p and an
 // inverse-transform draw with one counter-based uniform per row. A row without filters is two passes
 // over its logits (the max; then exp, stored, with float64 partial sums per 256-token chunk) and a
-// walk over the chunk sums to the one chunk the draw lands in. top-k and top-p find their threshold by
-// radix selection over the logits' order-preserving integer keys (a histogram of the top 11 bits, then
-// the next 11 among the one bucket that holds the threshold, then the last 10), not by sorting.
+// walk over the chunk sums to the one chunk the draw lands in. A small top-k gathers its few candidates
+// in one vectorised pass (bounded by the maxima of 16-token groups) and finishes the row on them; else
+// top-k and top-p find their threshold by radix selection over the logits' order-preserving integer
+// keys (a histogram of the top 11 bits, then the next 11 among the one bucket that holds the threshold,
+// then the last 10), not by sorting.
 // Rows run in parallel on ATen's thread pool.
 
 #include <ATen/ATen.h>
@@ -13,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -181,12 +184,100 @@ int64_t draw(const float* e, int64_t n, const double* chunk_sums, double target)
   return 0;
 }
 
+// For a small top-k: the k-th largest logit and the indices at or above it (vocabulary order), without
+// a pass of scalar work over the row. The maxima of 16-token groups bound it from below (the k largest
+// group maxima are k distinct logits), so only the tokens at or above the k-th largest group maximum
+// can be among the top k: they are gathered in one vectorised pass and selected among. False when k is
+// too large for that bound (more than the number of groups / 4): the caller uses radix selection.
+bool top_k_candidates(const float* x, int64_t n, int64_t k, std::vector<float>& scratch,
+                      std::vector<int32_t>& candidates, float* threshold) {
+  const int64_t num_groups = n / 16;
+  if (k > num_groups / 4) return false;
+  scratch.resize(num_groups);
+#if defined(__AVX512F__)
+  for (int64_t g = 0; g < num_groups; ++g) scratch[g] = _mm512_reduce_max_ps(_mm512_loadu_ps(x + 16 * g));
+#else
+  for (int64_t g = 0; g < num_groups; ++g) scratch[g] = *std::max_element(x + 16 * g, x + 16 * g + 16);
+#endif
+  std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), std::greater<float>());
+  const float bound = scratch[k - 1];
+  candidates.clear();
+  for (int64_t i = 0; i < n; ++i) {  // compilers vectorise the compare; the pushes are rare
+    if (x[i] >= bound) candidates.push_back(static_cast<int32_t>(i));
+  }
+  scratch.resize(candidates.size());
+  for (size_t j = 0; j < candidates.size(); ++j) scratch[j] = x[candidates[j]];
+  std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), std::greater<float>());
+  *threshold = scratch[k - 1];
+  size_t kept = 0;
+  for (int32_t i : candidates) {
+    if (x[i] >= *threshold) candidates[kept++] = i;
+  }
+  candidates.resize(kept);
+  return true;
+}
+
+// The rest of a row whose top-k left few candidates: top-p, min-p and the draw over them alone.
+int64_t sample_candidates(const float* x, const std::vector<int32_t>& candidates, float max, float inv_temperature,
+                          float top_p, float min_p, double uniform, std::vector<float>& e) {
+  e.resize(candidates.size());
+  double total = 0.0;
+  for (size_t j = 0; j < candidates.size(); ++j) {
+    e[j] = std::exp((x[candidates[j]] - max) * inv_temperature);
+    total += e[j];
+  }
+  float floor = -std::numeric_limits<float>::infinity();
+  if (top_p < 1.f) {  // the smallest head by probability holding top_p of the mass (ties with its last stay)
+    std::vector<int32_t> order(candidates.size());
+    for (size_t j = 0; j < order.size(); ++j) order[j] = static_cast<int32_t>(j);
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return x[candidates[a]] > x[candidates[b]]; });
+    const double target = static_cast<double>(top_p) * total;
+    double mass = 0.0;
+    for (int32_t j : order) {
+      mass += e[j];
+      if (mass >= target) {
+        floor = x[candidates[j]];
+        break;
+      }
+    }
+  }
+  total = 0.0;
+  for (size_t j = 0; j < candidates.size(); ++j) {
+    if (x[candidates[j]] < floor || e[j] < min_p) e[j] = 0.f;
+    total += e[j];
+  }
+  const double target = uniform * total;
+  double cumulative = 0.0;
+  for (size_t j = 0; j < candidates.size(); ++j) {
+    cumulative += e[j];
+    if (cumulative > target) return candidates[j];
+  }
+  for (size_t j = candidates.size(); j-- > 0;) {  // rounding left the target at the very end
+    if (e[j] > 0.f) return candidates[j];
+  }
+  return candidates.empty() ? 0 : candidates.back();
+}
+
+struct RowScratch {
+  std::vector<float> e;  // [vocab] the row's unnormalised kept probabilities
+  std::vector<double> chunk_sums;
+  std::vector<float> values;  // top-k selection
+  std::vector<int32_t> candidates;
+};
+
 int64_t sample_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
-                   double uniform, float* e, double* chunk_sums) {
+                   double uniform, RowScratch& scratch) {
   const float max = row_max(x, vocab);
   if (temperature == 0.f) return first_index_of(x, vocab, max);
   float floor = -std::numeric_limits<float>::infinity();
-  if (top_k > 0 && top_k < vocab) floor = select_threshold(x, nullptr, vocab, static_cast<double>(top_k));
+  if (top_k > 0 && top_k < vocab) {
+    if (top_k_candidates(x, vocab, top_k, scratch.values, scratch.candidates, &floor)) {
+      return sample_candidates(x, scratch.candidates, max, 1.f / temperature, top_p, min_p, uniform, scratch.values);
+    }
+    floor = select_threshold(x, nullptr, vocab, static_cast<double>(top_k));
+  }
+  float* e = scratch.e.data();
+  double* chunk_sums = scratch.chunk_sums.data();
   double total = fill_probs(x, vocab, max, 1.f / temperature, floor, e, chunk_sums);
   if (top_p < 1.f) floor = std::max(floor, select_threshold(x, e, vocab, static_cast<double>(top_p) * total));
   if (top_p < 1.f || min_p > 0.f) total = apply_floor(x, vocab, floor, min_p, e, chunk_sums);
@@ -223,11 +314,12 @@ at::Tensor sample_tokens(const at::Tensor& logits, const at::Tensor& temperature
   int64_t* out_data = out.data_ptr<int64_t>();
   const int64_t num_chunks = (vocab + kChunk - 1) / kChunk;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> e(vocab);  // [vocab] this row's unnormalised kept probabilities
-    std::vector<double> chunk_sums(num_chunks);
+    RowScratch scratch;
+    scratch.e.resize(vocab);
+    scratch.chunk_sums.resize(num_chunks);
     for (int64_t r = begin; r < end; ++r) {
       out_data[r] = sample_row(x_data + r * vocab, vocab, temp_data[r], k_data[r], p_data[r], mp_data[r], u_data[r],
-                               e.data(), chunk_sums.data());
+                               scratch);
     }
   });
   return out;

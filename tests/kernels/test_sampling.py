@@ -19,6 +19,8 @@ ROW_PARAMS = [
     (1.3, 50, 0.9, 0.02),
     (0.5, 0, 0.95, 0.1),
     (1.0, 1, 1.0, 0.0),  # top-k 1 keeps the maximum (and its ties)
+    (0.9, 2000, 1.0, 0.0),  # a large top-k (the native op's radix selection, not its few-candidates path)
+    (1.0, 1500, 0.7, 0.01),
 ]
 
 
