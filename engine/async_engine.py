@@ -3,6 +3,12 @@
 The forward pass is blocking CPU/GPU work, so it runs on its own thread and never holds up the
 event loop (health checks answer while the engine is saturated). Requests and aborts reach the
 loop through an inbox; deltas come back through each request's asyncio.Queue.
+
+The engine is built on that thread too, so every parallel CPU op runs there. Under OpenMP each
+thread that runs a parallel op owns a team of threads; two teams on a 2-core machine are more
+threads than cores, libgomp then stops spinning between ops, and every op from the loop thread
+paid a sleep and wake-up (~80 µs): a batch-1 decode step took twice as long as on the main thread
+(docs/BENCHMARKS.md, "Serving path").
 """
 
 from __future__ import annotations
@@ -40,14 +46,21 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig):
-        self.engine = LLMEngine(config)
         self._inbox: deque[tuple] = deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._error: BaseException | None = None
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="shardserve-engine-loop", daemon=True)
+        self.engine: LLMEngine | None = None
+        built = threading.Event()
+        self._thread = threading.Thread(
+            target=self._build_and_run, args=(config, built), name="shardserve-engine-loop", daemon=True
+        )
         self._thread.start()
+        built.wait()
+        if self.engine is None:  # the build failed on the loop thread: raise it here, in the caller
+            self._thread.join()
+            raise self._error
 
     @property
     def tokenizer(self):
@@ -119,6 +132,16 @@ class AsyncLLMEngine:
         self.engine.shutdown()
 
     # ---- the loop thread --------------------------------------------------------------------
+
+    def _build_and_run(self, config: EngineConfig, built: threading.Event) -> None:
+        try:
+            self.engine = LLMEngine(config)
+        except BaseException as exc:  # noqa: BLE001 — handed to the constructor, which raises it
+            self._error = exc
+            return
+        finally:
+            built.set()
+        self._run()
 
     def _run(self) -> None:
         try:
