@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from kernels import backend as kernel_backend  # noqa: E402
 from kernels.rotary import rope_cos_sin_cache  # noqa: E402
+from kernels.sampling import counter_uniforms  # noqa: E402
 
 DEVICE = "cuda"  # a module constant so that a CPU dry run of the plumbing can point it elsewhere
 # Llama-3-8B-like attention at TP=1: 32 query heads over 8 KV heads, head_dim 128, blocks of 16.
@@ -162,6 +163,23 @@ def check_correctness(triton_ops, rows: list[list[str]]) -> None:
         if not torch.equal(cache_a, cache_b):
             raise Mismatch(f"write_kv_cache {tag}: caches differ")
         rows.append([f"write_kv_cache {tag}", "exact"])
+
+    # the sampler: the same draws as the reference (float32 exp on both sides; a draw that lands within
+    # rounding of a boundary between two tokens may differ, so a handful of rows may)
+    rows_n, vocab = 64, 32000
+    logits = 2 * torch.randn(rows_n, vocab, device=dev)
+    params = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 50, 0.9, 0.0), (1.0, 0, 0.95, 0.05)]
+    temperature, top_k, top_p, min_p = (
+        torch.tensor([params[r % 4][i] for r in range(rows_n)], dtype=dt)
+        for i, dt in enumerate((torch.float32, torch.int32, torch.float32, torch.float32))
+    )
+    uniforms = counter_uniforms(list(range(rows_n)), [0] * rows_n)
+    got = triton_ops.sample_tokens(logits, temperature, top_k, top_p, min_p, uniforms).cpu()
+    want = torch_ops.sample_tokens(logits.cpu(), temperature, top_k, top_p, min_p, uniforms)
+    agree = float((got == want).float().mean())
+    if agree < 0.95:
+        raise Mismatch(f"sample_tokens: {agree:.0%} of rows drew the reference's token")
+    rows.append([f"sample_tokens {rows_n} × {vocab}", f"{agree:.0%} rows equal"])
 
 
 # ---------------------------------------------------------------- speed
@@ -304,7 +322,13 @@ def compile_for_hopper() -> list[list[str]]:
             torch.zeros(4, dtype=torch.long, device=meta), query, query[:, :KV_HEADS], cos_sin
         )
         ops.silu_and_mul(query[:, :2].reshape(4, -1))
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}
+    rows4 = torch.empty(4, device=meta)
+    ops.sample_tokens(  # float32 logits whatever the model's dtype: compiled once
+        torch.empty(4, 1000, device=meta), rows4, torch.empty(4, dtype=torch.int32, device=meta), rows4, rows4,
+        torch.empty(4, dtype=torch.float64, device=meta),
+    )
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
+             torch.float64: "fp64"}
     rows = []
     for fn, args, kwargs in launches:
         options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}

@@ -135,3 +135,14 @@ def test_logprobs_of_chosen_tokens_match_transformers(tiny_llama_dir, hf_greedy)
             top3 = row.topk(3).indices.tolist()
             assert set(top3) <= set(entry)
         assert completion.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(completion.token_ids, completion.logprobs)))
+
+
+def test_greedy_requests_among_sampled_ones_still_match_transformers(tiny_llama_dir, hf_greedy):
+    """Mixed batches send greedy rows through the fused sampler (temperature 0: its argmax), not torch's."""
+    prompts = random_prompts([15, 40, 70], seed=31)
+    expected = hf_greedy(tiny_llama_dir, prompts, MAX_NEW, ignore_eos=True)
+    assert_diverse(expected)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=MAX_NEW, ignore_eos=True, seed=5)
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32")
+    outputs = llm.generate(prompts + random_prompts([20, 33], seed=32), [greedy()] * 3 + [sampled] * 2)
+    assert [o.outputs[0].token_ids for o in outputs[:3]] == expected

@@ -60,3 +60,4 @@ def test_every_kernel_compiles_for_hopper_in_both_dtypes(tmp_path):
         for dtype in ("bf16", "fp32"):
             assert f"{kernel}, {dtype}" in text or f"{kernel} split-K, {dtype}" in text, (kernel, dtype)
     assert "_decode_partition_kernel split-K" in text
+    assert "_sample_kernel, i64 output" in text  # token ids out of float32 logits
