@@ -11,8 +11,6 @@ hidden 512, intermediate 1408, blocks of 16 scattered over the cache as a busy s
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import statistics
 import time
 
@@ -21,7 +19,7 @@ import torch.nn.functional as F
 
 from kernels.backend import TORCH, get_backend
 from kernels.rotary import rope_cos_sin_cache
-from scripts.doc_blocks import rewrite_block
+from scripts.doc_blocks import rewrite_block, timing_body
 
 BEGIN, END = "<!-- cpu-kernels:begin -->", "<!-- cpu-kernels:end -->"
 DTYPE = torch.bfloat16
@@ -123,18 +121,13 @@ def main(argv=None) -> None:
         ref, nat = statistics.median(ref_ms), statistics.median(native_ms)
         rows.append(f"| {label} | {ref:.3f} | {nat:.3f} | {ref / nat:.1f}× |")
         print(rows[-1], flush=True)
-    now = datetime.datetime.now(datetime.UTC)
-    body = "\n".join(
-        [
-            f"Measured {now:%Y-%m-%d %H:%M} UTC on {platform.machine()} ({torch.get_num_threads()} torch threads, "
-            f"torch {torch.__version__}), bfloat16, median of {args.repeats} alternated rounds of {args.calls} calls.",
-            "",
-            "| op | torch reference ms | native ms | speed-up |",
-            "|---|---|---|---|",
-            *rows,
-            "",
-            "Command: `python -m scripts.bench_cpu_kernels --write-doc` (in `make bench`)",
-        ]
+    body = timing_body(
+        "bfloat16",
+        ["op", "torch reference ms", "native ms", "speed-up"],
+        rows,
+        args.repeats,
+        args.calls,
+        "python -m scripts.bench_cpu_kernels --write-doc",
     )
     if args.write_doc:
         rewrite_block(BEGIN, END, body, "Kernels: native CPU vs references")

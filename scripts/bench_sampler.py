@@ -15,10 +15,7 @@ Median of --repeats rounds, each the mean of --calls calls, the implementations 
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import statistics
-import time
 
 import torch
 
@@ -27,7 +24,8 @@ from engine.sampler import sample
 from engine.sequence import Request
 from kernels.backend import TORCH, get_backend
 from kernels.sampling import counter_uniforms
-from scripts.doc_blocks import rewrite_block
+from scripts.bench_cpu_kernels import timed
+from scripts.doc_blocks import rewrite_block, timing_body
 
 BEGIN, END = "<!-- sampler:begin -->", "<!-- sampler:end -->"
 COLUMNS = [
@@ -38,13 +36,6 @@ COLUMNS = [
     "reference, top-k 50 + top-p 0.9",
     "exponential race (before), T=1",
 ]
-
-
-def timed_ms(fn, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e3
 
 
 def exponential_race(logits: torch.Tensor) -> torch.Tensor:
@@ -92,23 +83,17 @@ def main(argv=None) -> None:
             samples: list[list[float]] = [[] for _ in fns]
             for _ in range(args.repeats):
                 for times, fn in zip(samples, fns):
-                    times.append(timed_ms(fn, args.calls))
+                    times.append(timed(fn, args.calls))
             medians = [statistics.median(times) for times in samples]
             rows.append(f"| {batch} × {vocab} | " + " | ".join(f"{ms:.3f}" for ms in medians) + " |")
             print(rows[-1], flush=True)
-    now = datetime.datetime.now(datetime.UTC)
-    body = "\n".join(
-        [
-            f"Measured {now:%Y-%m-%d %H:%M} UTC on {platform.machine()} ({torch.get_num_threads()} torch threads, "
-            f"torch {torch.__version__}), float32 logits, milliseconds, median of {args.repeats} alternated rounds "
-            f"of {args.calls} calls.",
-            "",
-            "| batch × vocab | " + " | ".join(COLUMNS) + " |",
-            "|---" * (len(COLUMNS) + 1) + "|",
-            *rows,
-            "",
-            "Command: `python -m scripts.bench_sampler --write-doc` (in `make bench`)",
-        ]
+    body = timing_body(
+        "float32 logits, milliseconds",
+        ["batch × vocab", *COLUMNS],
+        rows,
+        args.repeats,
+        args.calls,
+        "python -m scripts.bench_sampler --write-doc",
     )
     if args.write_doc:
         rewrite_block(BEGIN, END, body, "Sampler")

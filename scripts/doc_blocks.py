@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
+import platform
 from pathlib import Path
+
+import torch
 
 BENCHMARKS_DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 
@@ -18,3 +22,20 @@ def rewrite_block(begin: str, end: str, body: str, heading: str, doc: Path = BEN
     else:
         text += f"\n## {heading}\n\n{block}\n"
     doc.write_text(text)
+
+
+def timing_body(inputs: str, columns: list[str], rows: list[str], repeats: int, calls: int, command: str) -> str:
+    """A micro-benchmark's block: when and where, its markdown table (`rows` already formatted), the command."""
+    now = datetime.datetime.now(datetime.UTC)
+    return "\n".join(
+        [
+            f"Measured {now:%Y-%m-%d %H:%M} UTC on {platform.machine()} ({torch.get_num_threads()} torch threads, "
+            f"torch {torch.__version__}), {inputs}, median of {repeats} alternated rounds of {calls} calls.",
+            "",
+            "| " + " | ".join(columns) + " |",
+            "|---" * len(columns) + "|",
+            *rows,
+            "",
+            f"Command: `{command}` (in `make bench`)",
+        ]
+    )
