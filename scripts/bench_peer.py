@@ -30,11 +30,14 @@ from app.bench import BenchArgs, run_bench
 from scripts.bench_engine import make_prompts
 from scripts.bench_serve import (
     REPO,
+    VLLM_LAUNCHER,
+    VLLM_VERSION_SHIM,
     ServerProcess,
     bench_model_dir,
     cpu_description,
     cpu_supports_bf16,
     git_commit,
+    vllm_cpu_env,
     vllm_version,
 )
 from scripts.doc_blocks import rewrite_block
@@ -42,33 +45,34 @@ from scripts.doc_blocks import rewrite_block
 BEGIN, END = "<!-- peer-bench:begin -->", "<!-- peer-bench:end -->"
 MODES = {"sampled": None, "greedy": 0.0}  # temperature sent; None = not sent (the server's default)
 
-# vllm-cpu's distribution is not named "vllm": answer its own version lookups with vllm-cpu's (see
-# scripts/bench_serve.py), then run the CLI, or the offline run below.
-_VLLM_VERSION_SHIM = """
-import importlib.metadata as metadata, sys
-_version = metadata.version
-metadata.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
-"""
-_VLLM_CLI = _VLLM_VERSION_SHIM + """
-sys.argv = ["vllm", *sys.argv[1:]]
-from vllm.entrypoints.cli.main import main
-main()
-"""
-_VLLM_OFFLINE = _VLLM_VERSION_SHIM + """
+OFFLINE_MODES = {"greedy": 0.0, "sampled": 1.0}
+# The offline runs, one per engine, each in a child process reading the same arguments file: {"model",
+# "dtype", "prompts": {mode: [token ids, ...]}, "output_len"}; each prints RESULT {mode: tok/s}.
+_VLLM_OFFLINE = VLLM_VERSION_SHIM + f"""
 import json, time
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 args = json.load(open(sys.argv[1]))
 llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=1024, enable_prefix_caching=False)
-prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
-llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-result = {}
-for mode, temperature in args["modes"].items():
+warm_up = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]["greedy"][:2]]
+llm.generate(warm_up, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+result = {{}}
+for mode, temperature in {OFFLINE_MODES!r}.items():
     params = SamplingParams(temperature=temperature, max_tokens=args["output_len"], ignore_eos=True)
-    batch = [TokensPrompt(prompt_token_ids=p) for p in args["prompts_by_mode"][mode]]
+    batch = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"][mode]]
     start = time.perf_counter()
     outputs = llm.generate(batch, params, use_tqdm=False)
     result[mode] = sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+print("RESULT " + json.dumps(result), flush=True)
+"""
+_SHARDSERVE_OFFLINE = f"""
+import json, sys
+from engine import LLM, SamplingParams
+from scripts.bench_engine import timed_generate
+args = json.load(open(sys.argv[1]))
+llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=1024, enable_prefix_caching=False)
+llm.generate(args["prompts"]["greedy"][:2], SamplingParams(max_tokens=4, ignore_eos=True))
+result = {{m: timed_generate(llm, args["prompts"][m], args["output_len"], t) for m, t in {OFFLINE_MODES!r}.items()}}
 print("RESULT " + json.dumps(result), flush=True)
 """
 
@@ -92,60 +96,31 @@ class Row:
     tpot_mean_ms: float
 
 
-def vllm_env(vllm_python: str) -> dict[str, str]:
-    """vLLM's CPU settings as ServerProcess.vllm sets them (TCMalloc + Intel OpenMP preloaded)."""
-    env = dict(ServerProcess.vllm(vllm_python, "unused", "bfloat16", _tcmalloc(vllm_python)).env)
-    return env
-
-
 def _tcmalloc(vllm_python: str) -> str | None:
+    """The TCMalloc that scripts/setup_peer.sh unpacks beside the peer's venv, if it is there."""
     lib = Path(vllm_python).absolute().parent.parent.parent / "tcmalloc/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
     return str(lib) if lib.is_file() else None
 
 
-def offline_vllm(vllm_python: str, model_dir: str, dtype: str, prompts: dict, output_len: int) -> dict[str, float]:
-    """`prompts`: one set per mode (no run can reuse another's prefill)."""
+def offline_run(command: list[str], arguments: dict, env: dict[str, str], cwd) -> dict[str, float]:
+    """Run an offline script (`command` + the path of a JSON file of `arguments`); its RESULT {mode: tok/s}."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"model": model_dir, "dtype": dtype, "prompts": prompts["greedy"], "output_len": output_len,
-                   "prompts_by_mode": prompts, "modes": {"greedy": 0.0, "sampled": 1.0}}, f)
-    done = subprocess.run([vllm_python, "-c", _VLLM_OFFLINE, f.name], env=vllm_env(vllm_python), cwd="/tmp",
-                          capture_output=True, text=True, timeout=1800)
-    os.unlink(f.name)
+        json.dump(arguments, f)
+    try:
+        done = subprocess.run([*command, f.name], env=env, cwd=cwd, capture_output=True, text=True, timeout=1800)
+    finally:
+        os.unlink(f.name)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"vLLM's offline run failed ({done.returncode}):\n{done.stderr[-3000:]}")
-
-
-def offline_shardserve(model_dir: str, dtype: str, prompts: dict, output_len: int) -> dict[str, float]:
-    """In a child process, so this one holds no engine while the servers run; prefix caching off, as vLLM's."""
-    code = (
-        "import json, sys\n"
-        "from engine import LLM, SamplingParams\n"
-        "from scripts.bench_engine import timed_generate\n"
-        "args = json.load(open(sys.argv[1]))\n"
-        "llm = LLM(model=args['model'], dtype=args['dtype'], max_model_len=1024, enable_prefix_caching=False)\n"
-        "llm.generate(args['prompts']['greedy'][:2], SamplingParams(max_tokens=4, ignore_eos=True))\n"
-        "result = {m: timed_generate(llm, args['prompts'][m], args['output_len'], t) "
-        "for m, t in (('greedy', 0.0), ('sampled', 1.0))}\n"
-        "print('RESULT ' + json.dumps(result), flush=True)\n"
-    )
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"model": model_dir, "dtype": dtype, "prompts": prompts, "output_len": output_len}, f)
-    done = subprocess.run([sys.executable, "-c", code, f.name], cwd=REPO, capture_output=True, text=True,
-                          timeout=1800)
-    os.unlink(f.name)
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"shardserve's offline run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    raise RuntimeError(f"{command[0]} {command[1]}: offline run failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
 def vllm_client(vllm_python: str, server: ServerProcess, model_dir: str, mode: str, concurrency: int,
                 num_prompts: int, args) -> Row:
     with tempfile.TemporaryDirectory() as out_dir:
         command = [
-            vllm_python, "-c", _VLLM_CLI, "bench", "serve", "--backend", "vllm", "--base-url", server.base_url,
+            vllm_python, "-c", VLLM_LAUNCHER, "bench", "serve", "--backend", "vllm", "--base-url", server.base_url,
             "--model", model_dir, "--tokenizer", model_dir, "--dataset-name", "random",
             "--random-input-len", str(args.prompt_tokens), "--random-output-len", str(args.output_tokens),
             "--ignore-eos", "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
@@ -155,7 +130,7 @@ def vllm_client(vllm_python: str, server: ServerProcess, model_dir: str, mode: s
         if MODES[mode] is not None:
             command += ["--temperature", str(MODES[mode])]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-        done = subprocess.run(command, env=env, cwd="/tmp", capture_output=True, text=True, timeout=3600)
+        done = subprocess.run(command, env=env, cwd=out_dir, capture_output=True, text=True, timeout=3600)
         path = Path(out_dir) / "result.json"
         if not path.is_file():
             raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -217,7 +192,7 @@ def table(rows: list[Row], offline: dict[str, dict[str, float]]) -> str:
         )
     if offline:
         lines += ["", "| offline (64 × 512 → 128) | vLLM tok/s | shardserve tok/s | ratio |", "|---|---|---|---|"]
-        for mode in ("greedy", "sampled"):
+        for mode in OFFLINE_MODES:
             peer, ours = offline["vllm"][mode], offline["shardserve"][mode]
             label = "greedy" if mode == "greedy" else "temperature 1.0"
             lines.append(f"| {label} | {peer:.0f} | {ours:.0f} | {ours / peer:.2f}× |")
@@ -249,10 +224,14 @@ def main(argv: list[str] | None = None) -> int:
 
     offline: dict[str, dict[str, float]] = {}
     if args.offline:
-        prompts = {mode: make_prompts(64, args.prompt_tokens, 32000, seed=seed)
-                   for seed, mode in enumerate(("greedy", "sampled"))}
-        offline["vllm"] = offline_vllm(args.vllm_python, model_dir, dtype, prompts, args.output_tokens)
-        offline["shardserve"] = offline_shardserve(model_dir, dtype, prompts, args.output_tokens)
+        # a prompt set per mode: no run can reuse another's prefill
+        prompts = {mode: make_prompts(64, args.prompt_tokens, 32000, seed=seed) for seed, mode in enumerate(OFFLINE_MODES)}
+        arguments = {"model": model_dir, "dtype": dtype, "prompts": prompts, "output_len": args.output_tokens}
+        with tempfile.TemporaryDirectory() as neutral:  # vLLM run from the repository would import its packages
+            vllm_env = {**os.environ, **vllm_cpu_env(args.vllm_python, _tcmalloc(args.vllm_python))}
+            offline["vllm"] = offline_run([args.vllm_python, "-c", _VLLM_OFFLINE], arguments, vllm_env, neutral)
+        # in a child process too, so this one holds no engine while the servers run
+        offline["shardserve"] = offline_run([sys.executable, "-c", _SHARDSERVE_OFFLINE], arguments, dict(os.environ), REPO)
         print(f"offline: {offline}", flush=True)
     rows: list[Row] = []
     if args.served:

