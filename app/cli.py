@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["make-model"]:  # its own parser owns the flags (--arch, --preset, --out)
-        from engine.demo_model import main as make_model_main
+        from engine.random_model import main as make_model_main
 
         make_model_main(argv[1:])
         return 0

@@ -147,7 +147,7 @@ def bench_hf(model_dir: str, dtype: str, prompts, output_len: int, batch: int = 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="HF directory (default: the bench-shaped demo model)")
+    parser.add_argument("--model", default=None, help="HF directory (default: the random-weight bench-shaped model)")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -156,9 +156,9 @@ def main(argv=None) -> None:
     parser.add_argument("--write-doc", action="store_true")
     args = parser.parse_args(argv)
 
-    from engine.demo_model import ensure_demo_model
+    from engine.random_model import ensure_bench_model
 
-    model_dir = args.model or str(ensure_demo_model())
+    model_dir = args.model or str(ensure_bench_model())
     vocab = 32000
     prompts = make_prompts(args.num_prompts, args.prompt_len, vocab)
     rows = []

@@ -86,7 +86,7 @@ def measure(model_dir: str, dtype: str, prompts, output_len: int, concurrency: i
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="HF directory (default: the bench-shaped demo model)")
+    parser.add_argument("--model", default=None, help="HF directory (default: the random-weight bench-shaped model)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--shared", type=int, default=400)
     parser.add_argument("--unique", type=int, default=112)
@@ -99,10 +99,10 @@ def main(argv=None) -> None:
     parser.add_argument("--write-doc", action="store_true")
     args = parser.parse_args(argv)
 
-    from engine.demo_model import ensure_demo_model
+    from engine.random_model import ensure_bench_model
     from scripts.bench_engine import cpu_name
 
-    model_dir = args.model or str(ensure_demo_model())
+    model_dir = args.model or str(ensure_bench_model())
     rng = random.Random(0)
     vocab = 32000
     levels = [int(c) for c in args.concurrency.split(",")]

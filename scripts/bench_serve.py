@@ -193,15 +193,15 @@ def cpu_supports_bf16() -> bool:
 
 def bench_model_dir() -> Path:
     """The bench-shaped Llama (made once into the cache folder, ~1 minute)."""
-    from engine.demo_model import default_demo_model_dir
+    from engine.random_model import default_bench_model_dir
 
-    path = default_demo_model_dir()
+    path = default_bench_model_dir()
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         subprocess.run(
             [
                 sys.executable,
                 "-m",
-                "engine.demo_model",
+                "engine.random_model",
                 "--arch",
                 "llama",
                 "--preset",

@@ -146,7 +146,7 @@ def through_serve(base_url: str, model: str, prompt_ids, output_tokens: int) -> 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="HF directory (default: the bench-shaped demo model)")
+    parser.add_argument("--model", default=None, help="HF directory (default: the random-weight bench-shaped model)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
@@ -157,9 +157,9 @@ def main(argv=None) -> None:
     parser.add_argument("--write-doc", action="store_true")
     args = parser.parse_args(argv)
 
-    from engine.demo_model import ensure_demo_model
+    from engine.random_model import ensure_bench_model
 
-    model_dir = args.model or str(ensure_demo_model())
+    model_dir = args.model or str(ensure_bench_model())
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     ids = prompts(args.repeats, args.prompt_tokens, vocab)
     # a prompt set per run: with prefix caching on (the server's default), a repeated set would skip its prefill

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> str:
     import ray
     import torch
 
-    from engine.demo_model import ensure_demo_model
+    from engine.random_model import ensure_bench_model
 
     # one thread per rank, as the workers get: on a shared 2-core machine two OpenMP threads
     # spin at every op's barrier and TP=1 would measure that instead of its arithmetic
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> str:
     # CPU bundles are logical: room for the largest engine's ranks whatever the core count
     ray.init(include_dashboard=False, num_cpus=max(*sizes, os.cpu_count() or 1), logging_level="WARNING")
 
-    model_dir = args.model or ensure_demo_model()
+    model_dir = args.model or ensure_bench_model()
     rows = []
     for tp in sizes:
         rows.append(measure(model_dir, tp, args.decode_batch, args.prefill_tokens, args.repeats))

@@ -165,7 +165,7 @@ async def run_round(port: int, args: argparse.Namespace, seed: int) -> tuple[flo
 def bench(args: argparse.Namespace) -> None:
     model_tmp = None
     if args.model is None:
-        from engine.demo_model import make_model
+        from engine.random_model import make_model
 
         model_tmp = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
         args.model = str(make_model("llama", "tiny", model_tmp))

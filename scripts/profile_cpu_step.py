@@ -2,7 +2,7 @@
 
     python scripts/profile_cpu_step.py [--batch 64] [--context 512] [--threads 2] [--steps 3]
 
-Builds (or reuses) the bench-shaped demo model, brings `batch` sequences of `context` prompt tokens
+Builds (or reuses) the random-weight bench-shaped model, brings `batch` sequences of `context` prompt tokens
 into decode on the torch reference kernels, then profiles `steps` whole engine steps (scheduler,
 model, sampler). Each kernel-package op is labelled with record_function; "matmuls" are the model's
 aten::linear calls (projections, MLP, LM head). Prints a markdown table of shares of the step.
@@ -63,13 +63,13 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--model", type=Path, help="model directory (default: the bench demo model)")
+    parser.add_argument("--model", type=Path, help="model directory (default: the random-weight bench model)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from engine.config import EngineConfig, SamplingParams
-    from engine.demo_model import ensure_demo_model
     from engine.llm_engine import LLMEngine
+    from engine.random_model import ensure_bench_model
 
     torch_ops = kernel_backend.TORCH
     kernel_backend.TORCH = kernel_backend.KernelBackend(
@@ -81,7 +81,7 @@ def main() -> int:
         },
     )
     F.linear = labelled("linear", F.linear)  # the model's matmuls all go through F.linear
-    model_dir = args.model or ensure_demo_model()
+    model_dir = args.model or ensure_bench_model()
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir),

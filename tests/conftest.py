@@ -15,7 +15,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.demo_model import make_model  # noqa: E402
+from engine.random_model import make_model  # noqa: E402
 
 # rope_scaling as Llama 3.1 writes it, scaled down to the tiny model's context.
 LLAMA3_ROPE_SCALING = {

@@ -1,4 +1,4 @@
-"""The built-in demo models: loadable by transformers and by us, a working tokenizer, diverse output."""
+"""The random-weight models (make-model): loadable by transformers and by us, a working tokenizer, diverse output."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from engine.config import ModelConfig
-from engine.demo_model import default_demo_model_dir, ensure_demo_model, main, make_model
 from engine.loader import load_model, load_tokenizer
+from engine.random_model import default_bench_model_dir, ensure_bench_model, main, make_model
 from kernels.backend import get_backend
 from parallel.state import ParallelContext
 
@@ -101,13 +101,13 @@ def test_cli_writes_the_requested_model(tmp_path, capsys):
     assert ModelConfig.from_pretrained(out).architecture == "qwen2"
 
 
-def test_ensure_demo_model_builds_once_under_the_cache_folder(tmp_path, monkeypatch):
+def test_ensure_bench_model_builds_once_under_the_cache_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDSERVE_CACHE", str(tmp_path / "cache"))
-    assert default_demo_model_dir() == tmp_path / "cache" / "demo-llama-bench"
+    assert default_bench_model_dir() == tmp_path / "cache" / "bench-llama"
     target = tmp_path / "cache" / "demo-tiny"
-    built = ensure_demo_model(target, preset="tiny")
+    built = ensure_bench_model(target, preset="tiny")
     assert built == target and (built / "model.safetensors").is_file()
     stamp = (built / "model.safetensors").stat().st_mtime_ns
-    assert ensure_demo_model(target, preset="tiny") == target
+    assert ensure_bench_model(target, preset="tiny") == target
     assert (built / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in target.parent.iterdir()] == ["demo-tiny"]  # no staging leftovers

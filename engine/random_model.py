@@ -185,18 +185,18 @@ def _training_corpus(max_chars: int) -> list[str]:
 
 
 def cache_root() -> Path:
-    """Where generated demo models live: $SHARDSERVE_CACHE, else ~/.cache/shardserve."""
+    """Where generated models live: $SHARDSERVE_CACHE, else ~/.cache/shardserve."""
     return Path(os.environ.get("SHARDSERVE_CACHE") or Path.home() / ".cache" / "shardserve").expanduser()
 
 
-def default_demo_model_dir() -> Path:
-    """The model `make run` serves: the bench-shaped Llama."""
-    return cache_root() / "demo-llama-bench"
+def default_bench_model_dir() -> Path:
+    """The random-weight, bench-shaped Llama the benchmarks use."""
+    return cache_root() / "bench-llama"
 
 
-def ensure_demo_model(out_dir: str | Path | None = None, arch: str = "llama", preset: str = "bench") -> Path:
-    """The demo model directory, created on first use (built aside, then renamed into place)."""
-    out = Path(out_dir) if out_dir is not None else default_demo_model_dir()
+def ensure_bench_model(out_dir: str | Path | None = None, arch: str = "llama", preset: str = "bench") -> Path:
+    """The bench model directory (random weights, bench preset), created on first use (built aside, then renamed into place)."""
+    out = Path(out_dir) if out_dir is not None else default_bench_model_dir()
     if _is_complete(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
