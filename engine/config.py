@@ -26,7 +26,7 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    architecture: Literal["llama", "qwen2"]
+    architecture: Literal["llama", "qwen2", "qwen3"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -57,10 +57,12 @@ class ModelConfig(BaseModel):
         model_type = raw.get("model_type")
         if model_type in ("llama", "mistral"):
             arch = "llama"
-        elif model_type == "qwen2":
-            arch = "qwen2"
+        elif model_type in ("qwen2", "qwen3"):
+            arch = model_type
         else:
-            raise ModelLoadError(f"model_type {model_type!r} is not supported (supported: llama, mistral, qwen2)")
+            raise ModelLoadError(
+                f"model_type {model_type!r} is not supported (supported: llama, mistral, qwen2, qwen3)"
+            )
         num_heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         gen_cfg = path / "generation_config.json"
@@ -81,6 +83,7 @@ class ModelConfig(BaseModel):
             rope_theta=raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             rope_scaling=raw.get("rope_scaling") or _rope_scaling_from_parameters(raw.get("rope_parameters")),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            # transformers' defaults: Qwen2 always has q/k/v bias, Qwen3 has none unless it says so
             attention_bias=raw.get("attention_bias", arch == "qwen2"),
             mlp_bias=raw.get("mlp_bias", False),
             bos_token_id=raw.get("bos_token_id"),

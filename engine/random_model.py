@@ -1,4 +1,4 @@
-"""Random-weight Llama / Qwen2 model directories with a trained byte-level BPE tokenizer.
+"""Random-weight Llama / Qwen2 / Qwen3 model directories with a trained byte-level BPE tokenizer.
 
 The embedded default model: nothing downloads, and transformers loads the same directory, so it
 is also the correctness oracle's input. Weights come from a fixed seed; the tokenizer is trained
@@ -30,6 +30,7 @@ CHAT_TEMPLATE = (
 )
 
 # Qwen2Tokenizer's pre-tokenizer split (transformers/models/qwen2/tokenization_qwen2.py).
+# transformers loads qwen2 and qwen3 directories' tokenizers with that class.
 QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 PRESETS: dict[str, dict] = {
@@ -67,10 +68,14 @@ DEFAULT_INITIALIZER_RANGE = 0.1
 PRESET_DTYPES = {"tiny": torch.float32, "bench": torch.bfloat16}
 # Corpus size for tokenizer training: enough text for the vocabulary's merges (~1 s for 32k).
 _CORPUS_CHARS = {"tiny": 300_000, "bench": 4_000_000}
+# Qwen3's head_dim is explicit: 128 as in the real checkpoints, not hidden_size / num_attention_heads
+# (64 in both presets), so the query width differs from the hidden size.
+QWEN3_HEAD_DIM = 128
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def make_model(
-    arch: Literal["llama", "qwen2"],
+    arch: Literal["llama", "qwen2", "qwen3"],
     preset: Literal["tiny", "bench"],
     out_dir: str | Path,
     seed: int = 0,
@@ -78,7 +83,15 @@ def make_model(
     rope_scaling: dict | None = None,
 ) -> Path:
     """Write a Hugging Face model directory (config, safetensors, tokenizer, chat template)."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -97,8 +110,12 @@ def make_model(
     elif arch == "qwen2":
         # Qwen2 always has q/k/v bias; tied embeddings as in the small Qwen2 checkpoints.
         config, model_class = Qwen2Config(**common, tie_word_embeddings=True), Qwen2ForCausalLM
+    elif arch == "qwen3":
+        # q/k norms, no bias, explicit head_dim; tied embeddings as in the small Qwen3 checkpoints.
+        config = Qwen3Config(**common, head_dim=QWEN3_HEAD_DIM, tie_word_embeddings=True)
+        model_class = Qwen3ForCausalLM
     else:
-        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+        raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
 
     torch.manual_seed(seed)
     model = model_class(config)
@@ -130,15 +147,15 @@ def _randomize_biases_and_norms(model: torch.nn.Module, init_range: float, seed:
 def train_tokenizer(vocab_size: int, corpus_chars: int, model_max_length: int, arch: str = "llama"):
     """A byte-level BPE tokenizer with exactly `vocab_size` tokens (specials at ids 0, 1, 2).
 
-    transformers loads a qwen2 directory's tokenizer as Qwen2Tokenizer whatever
+    transformers loads a qwen2 or qwen3 directory's tokenizer as Qwen2Tokenizer whatever
     tokenizer_config.json says, and that class rebuilds the pipeline with its own normalizer
-    and pre-tokenizer: for qwen2 we train with that same pipeline, so what loads is what trained.
+    and pre-tokenizer: for those we train with that same pipeline, so what loads is what trained.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         bpe.normalizer = normalizers.NFC()
         bpe.pre_tokenizer = pre_tokenizers.Sequence(
             [
@@ -223,7 +240,7 @@ def _is_complete(model_dir: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="shardserve make-model", description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
+    parser.add_argument("--arch", choices=ARCHITECTURES, default="llama")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="bench")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the cache folder)")
     parser.add_argument("--seed", type=int, default=0)

@@ -53,6 +53,12 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return make_model("qwen2", "tiny", tmp_path_factory.mktemp("tiny-qwen2"))
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """Qwen3 of the tiny shape: q/k norms, no bias, head_dim 128 (not 256 / 4 heads), tied embeddings."""
+    return make_model("qwen3", "tiny", tmp_path_factory.mktemp("tiny-qwen3"))
+
+
 class HFGreedy:
     """transformers' greedy generate in float32, one prompt at a time: the exactness oracle.
 

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral; Qwen2 in qwen2.py is this plus QKV bias).
+"""Llama-family decoder (Llama 2/3, Mistral; Qwen2 in qwen2.py is this plus QKV bias, Qwen3 in
+qwen3.py this plus a per-head RMSNorm on q and k).
 
 Built from parallel/ layers, so the same code runs at any tensor-parallel size: each rank holds
 its query/KV heads and its slice of the MLP, and the row-parallel layers all-reduce. Every op
@@ -43,7 +44,7 @@ class RMSNorm(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """QKV projection, rotary, paged attention over this rank's heads, output projection."""
+    """QKV projection, (q/k norm,) rotary, paged attention over this rank's heads, output projection."""
 
     def __init__(
         self,
@@ -51,6 +52,7 @@ class SelfAttention(nn.Module):
         parallel: ParallelContext,
         backend: KernelBackend,
         o_proj_bias: bool,
+        qk_norm: bool,
         dtype: torch.dtype | None,
     ):
         super().__init__()
@@ -75,6 +77,9 @@ class SelfAttention(nn.Module):
             dtype=dtype,
         )
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, backend)
+        # One [head_dim] weight shared by every head, so each rank holds all of it.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, backend, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, backend, dtype) if qk_norm else None
 
     def forward(
         self,
@@ -86,6 +91,11 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.q_norm is not None:
+            # Each head's vector is a row of the norm: [num_tokens * heads_per_rank, head_dim]; the
+            # split's column slices are not viewable as that, so reshape copies them.
+            query = self.q_norm(query.reshape(-1, self.head_dim))
+            key = self.k_norm(key.reshape(-1, self.head_dim))
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -125,10 +135,11 @@ class DecoderLayer(nn.Module):
         parallel: ParallelContext,
         backend: KernelBackend,
         o_proj_bias: bool,
+        qk_norm: bool,
         dtype: torch.dtype | None,
     ):
         super().__init__()
-        self.self_attn = SelfAttention(config, parallel, backend, o_proj_bias, dtype)
+        self.self_attn = SelfAttention(config, parallel, backend, o_proj_bias, qk_norm, dtype)
         self.mlp = MLP(config, parallel, backend, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend, dtype)
@@ -161,12 +172,13 @@ class DecoderModel(nn.Module):
         parallel: ParallelContext,
         backend: KernelBackend,
         o_proj_bias: bool,
+        qk_norm: bool,
         dtype: torch.dtype | None,
     ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, parallel, backend, o_proj_bias, dtype)
+            DecoderLayer(config, parallel, backend, o_proj_bias, qk_norm, dtype)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend, dtype)
@@ -196,6 +208,8 @@ class CausalLM(nn.Module):
 
     # Llama's `attention_bias` covers q, k, v and o; Qwen2 has bias on q, k, v only.
     o_proj_follows_attention_bias = True
+    # Qwen3 normalises each query and key head (self_attn.q_norm / k_norm) before rotary.
+    qk_norm = False
 
     def __init__(
         self,
@@ -209,7 +223,7 @@ class CausalLM(nn.Module):
         self.parallel = parallel
         self.backend = backend
         o_proj_bias = config.attention_bias and self.o_proj_follows_attention_bias
-        self.model = DecoderModel(config, parallel, backend, o_proj_bias, dtype)
+        self.model = DecoderModel(config, parallel, backend, o_proj_bias, self.qk_norm, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel, dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

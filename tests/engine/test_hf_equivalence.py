@@ -97,10 +97,13 @@ def test_preemption_under_a_small_kv_pool_keeps_outputs_and_frees_every_block(ti
     manager.check_invariants()
 
 
-def test_preemption_combined_with_chunked_prefill(tiny_qwen2_dir, hf_greedy):
+@pytest.mark.parametrize("fixture", ["tiny_qwen2_dir", "tiny_qwen3_dir"])
+def test_preemption_combined_with_chunked_prefill(fixture, request, hf_greedy):
+    model_dir = request.getfixturevalue(fixture)
     prompts = random_prompts([70, 20, 90, 35], seed=7)
-    expected = hf_greedy(tiny_qwen2_dir, prompts, 16, ignore_eos=True)
-    llm = LLM(model=str(tiny_qwen2_dir), dtype="float32", num_kv_blocks=14, max_model_len=200,
+    expected = hf_greedy(model_dir, prompts, 16, ignore_eos=True)
+    assert_diverse(expected)
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=14, max_model_len=200,
               max_num_batched_tokens=24, block_size=16)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(max_tokens=16))]
     assert llm.engine.scheduler.num_preemptions > 0
@@ -108,7 +111,9 @@ def test_preemption_combined_with_chunked_prefill(tiny_qwen2_dir, hf_greedy):
     assert got == expected
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_llama3_rope_dir"])
+@pytest.mark.parametrize(
+    "fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_llama3_rope_dir"]
+)
 def test_architectures_match_transformers(fixture, request, hf_greedy):
     model_dir = request.getfixturevalue(fixture)
     prompts = random_prompts([9, 50, 120], seed=11)

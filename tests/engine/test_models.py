@@ -1,10 +1,13 @@
-"""Our Llama / Qwen2 against transformers on the same weights, and the tensor-parallel shards."""
+"""Our Llama / Qwen2 / Qwen3 against transformers on the same weights, and the tensor-parallel shards."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
@@ -147,6 +150,44 @@ def test_qwen2_with_qkv_bias_and_tied_embeddings_matches_transformers(tiny_qwen2
     config = ModelConfig.from_pretrained(tiny_qwen2_dir)
     assert config.attention_bias and config.tie_word_embeddings
     assert_prefill_then_decode_match_transformers(tiny_qwen2_dir, hf_greedy)
+
+
+def test_qwen3_with_qk_norm_and_explicit_head_dim_matches_transformers(tiny_qwen3_dir, hf_greedy):
+    config = ModelConfig.from_pretrained(tiny_qwen3_dir)
+    assert config.architecture == "qwen3" and not config.attention_bias and config.tie_word_embeddings
+    assert config.head_dim != config.hidden_size // config.num_attention_heads
+    assert_prefill_then_decode_match_transformers(tiny_qwen3_dir, hf_greedy)
+
+
+@pytest.mark.parametrize(("model_type", "bias"), [("qwen2", True), ("qwen3", False)])
+def test_attention_bias_defaults_follow_transformers(model_type, bias, tmp_path):
+    """A config.json without `attention_bias`: Qwen2 always has q/k/v bias, Qwen3 has none."""
+    raw = dict(
+        model_type=model_type,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert (config.architecture, config.attention_bias, config.head_dim) == (model_type, bias, 16)
+
+
+def test_qwen3_qk_norm_weights_are_whole_on_every_tensor_parallel_rank(tiny_qwen3_dir):
+    """The norms act per head with one [head_dim] weight: each rank needs all of it, not a shard."""
+    checkpoint = load_file(tiny_qwen3_dir / "model.safetensors")
+    for rank in range(2):
+        model, config = load_ours(tiny_qwen3_dir, ParallelContext(rank=rank, world_size=2))
+        attention = model.model.layers[1].self_attn
+        assert attention.num_heads == config.num_attention_heads // 2
+        for name in ("q_norm", "k_norm"):
+            expected = checkpoint[f"model.layers.1.self_attn.{name}.weight"]
+            assert torch.equal(getattr(attention, name).weight, expected)
+    assert not torch.equal(attention.q_norm.weight, attention.k_norm.weight)  # each loaded from its own tensor
 
 
 def test_rotary_cache_is_a_float32_buffer_on_the_model_device(tiny_llama_dir):
@@ -293,11 +334,14 @@ def _tp_rank(rank: int, tp: int, model_dir: str, next_tokens: list[int], store: 
     os._exit(0)
 
 
-# Each rank is a spawned process (a few seconds to import torch): two cases cover KV-head
-# replication (tp 4 > 2 KV heads) and sharded qkv bias plus a tied, vocab-parallel head.
+# Each rank is a spawned process (a few seconds to import torch): the cases cover KV-head
+# replication (tp 4 > 2 KV heads), sharded qkv bias plus a tied, vocab-parallel head, and
+# replicated per-head q/k norms.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("arch", "tp"), [("llama", 4), ("qwen2", 2)], ids=["llama-tp4-replicated-kv", "qwen2-tp2-tied"]
+    ("arch", "tp"),
+    [("llama", 4), ("qwen2", 2), ("qwen3", 2)],
+    ids=["llama-tp4-replicated-kv", "qwen2-tp2-tied", "qwen3-tp2-qk-norm"],
 )
 def test_tensor_parallel_logits_match_transformers(arch, tp, request, hf_greedy, tmp_path):
     import torch.multiprocessing as mp

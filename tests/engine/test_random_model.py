@@ -19,7 +19,7 @@ TEXTS = ["héllo → 日本", "def main():\n    return 42\n", "  two  spaces, ta
 PROMPTS = ["def main():", "import os\n", "The quick brown fox", "héllo → 日本"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_model_loads_in_transformers_and_in_our_loader(arch, request, hf_greedy):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     hf = hf_greedy.model(model_dir)
@@ -44,7 +44,7 @@ def test_tiny_presets_are_gqa_and_qwen2_has_bias_and_tied_embeddings(tiny_llama_
     assert biases and all(b.abs().sum() > 0 for b in biases)  # random, not transformers' zeros
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("text", TEXTS)
 def test_tokenizer_round_trips_text_including_multibyte_utf8(arch, text, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
@@ -52,8 +52,19 @@ def test_tokenizer_round_trips_text_including_multibyte_utf8(arch, text, request
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.decode(ids) == text
     assert len(ids) < len(text.encode())  # BPE merges happened: not one token per byte
-    # transformers' tokenizer class (Qwen2Tokenizer for qwen2) splits text as the trained file does
+    # transformers' tokenizer class (Qwen2Tokenizer for qwen2 and qwen3) splits text as the trained file does
     assert ids == Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text).ids
+
+
+def test_tiny_qwen3_has_random_qk_norms_an_explicit_head_dim_and_no_bias(tiny_qwen3_dir):
+    config = ModelConfig.from_pretrained(tiny_qwen3_dir)
+    assert config.architecture == "qwen3" and config.tie_word_embeddings and not config.attention_bias
+    assert (config.hidden_size, config.num_attention_heads, config.head_dim) == (256, 4, 128)
+    tensors = load_file(tiny_qwen3_dir / "model.safetensors")
+    assert not any(name.endswith(".bias") for name in tensors) and "lm_head.weight" not in tensors
+    qk_norms = [t for name, t in tensors.items() if name.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(qk_norms) == 2 * config.num_hidden_layers
+    assert all(t.shape == (128,) and not torch.all(t == 1) for t in qk_norms)  # random, not transformers' ones
 
 
 def test_special_tokens_are_unk_0_bos_1_eos_2(tiny_llama_dir):

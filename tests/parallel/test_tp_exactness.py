@@ -9,6 +9,7 @@ import pytest
 
 from engine.config import SamplingParams
 from engine.llm_engine import LLM
+from engine.models import model_class_for
 from parallel.workers import measure_memory
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -29,6 +30,7 @@ CASES = [
     ("tiny_llama_dir", 2, SWAPPING, "llama-swap-preemption"),
     ("tiny_qwen2_dir", 2, CHUNKED_AND_PREEMPTING, "qwen2-bias-tied"),
     ("tiny_qwen2_dir", 4, ROOMY, "qwen2-bias-tied-kv-replicated"),
+    ("tiny_qwen3_dir", 2, CHUNKED_AND_PREEMPTING, "qwen3-qk-norm-head-dim-128-tied"),
     ("tiny_llama_odd_vocab_dir", 2, ROOMY, "vocab-1021-padded-to-1022"),
     ("tiny_llama_odd_vocab_dir", 4, CHUNKED_AND_PREEMPTING, "vocab-1021-padded-to-1024"),
 ]
@@ -98,6 +100,8 @@ def test_each_rank_holds_a_tp_share_of_weights_and_kv_cache(tp_case, tp1_engines
     kv_row = hidden + (1 if config.attention_bias else 0)  # k/v weight row plus its bias
     # replicated: every norm; per-rank KV projections and the padded vocabulary are counted apart
     replicated = (2 * layers + 1) * hidden * element
+    if model_class_for(config).qk_norm:
+        replicated += layers * 2 * head_dim * element  # Qwen3's q_norm and k_norm
     kv_proj = layers * 2 * kv_heads * head_dim * kv_row * element
     kv_proj_per_rank = layers * 2 * kv_heads_per_rank * head_dim * kv_row * element
     vocab_tables = 1 if config.tie_word_embeddings else 2
