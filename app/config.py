@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.config import EngineConfig
 
 SERVE_CPU_BATCHED_TOKENS = 2048
+SamplingDefault = Literal[
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
+]
 
 
 class ServeArgs(BaseModel):
@@ -17,7 +20,7 @@ class ServeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # model and engine
-    model: str | None = None  # local HF directory; None = the built-in demo model
+    model: str | None = None  # local HF directory or .gguf file; None = the demo model (engine/demo_model.py)
     served_model_name: str | None = None
     tensor_parallel_size: int = Field(1, ge=1)
     dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = "auto"
@@ -35,6 +38,9 @@ class ServeArgs(BaseModel):
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space: float = Field(4.0, ge=0)
     seed: int = 0
+    # sampling defaults for requests that leave a field out, e.g. {"temperature": 0.2} (vLLM's flag);
+    # None: the neutral values (temperature 1), or for the demo model its model card's recommendation
+    override_generation_config: dict[SamplingDefault, float] | None = None
     kernel_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     # torch threads per rank on CPU; None: the cores this process may run on, shared by the ranks
     cpu_threads: int | None = Field(None, ge=1)

@@ -30,6 +30,17 @@ def served_model_name(args: ServeArgs) -> str:
     return args.served_model_name or args.model or DEMO_MODEL_NAME
 
 
+def default_sampling(args: ServeArgs) -> dict[str, float]:
+    """Sampling defaults for requests that leave fields out: the settings', else the demo model's."""
+    if args.override_generation_config is not None:
+        return dict(args.override_generation_config)
+    if args.model is None:
+        from engine.demo_model import DEMO_GENERATION_CONFIG
+
+        return dict(DEMO_GENERATION_CONFIG)
+    return {}
+
+
 def _use_gpu(args: ServeArgs) -> bool:
     if args.device != "auto":
         return args.device == "cuda"
@@ -94,14 +105,14 @@ class LLMServer:
         if model_dir is None:
             from engine.demo_model import ensure_demo_model
 
-            model_dir = str(ensure_demo_model())
+            model_dir = str(ensure_demo_model())  # SmolLM2-135M-Instruct, fetched once into the cache
         self.engine = AsyncLLMEngine(self.args.engine_config(model_dir))
         # tracing and /metrics: one TracerProvider and one Prometheus registry per replica (app/observability.py)
         self.observability = ReplicaObservability(self.engine, served_model_name(self.args), _replica_id(),
                                                   self.args.tensor_parallel_size, self.args.otlp_traces_endpoint,
                                                   ray_metrics_interval_s=RAY_METRICS_INTERVAL_S)
         self.serving = OpenAIServing(self.observability.engine, served_model_name(self.args),
-                                     self.args.max_waiting_requests)
+                                     self.args.max_waiting_requests, default_sampling(self.args))
         logger.info("replica ready: model %s served as %r", model_dir, self.serving.served_model_name)
 
     def __serve_build_asgi_app__(self):

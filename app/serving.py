@@ -60,12 +60,21 @@ def sse(payload: str) -> str:
 
 SSE_DONE = sse("[DONE]")
 
+# Sampling fields a request may leave out, and what they mean then when the server sets no default.
+NEUTRAL_SAMPLING: dict[str, float] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0,
+    "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+}
+
 
 class OpenAIServing:
     """Turns OpenAI request bodies into engine requests and engine deltas into OpenAI response bodies."""
 
-    def __init__(self, engine: Any, served_model_name: str, max_waiting_requests: int):
+    def __init__(self, engine: Any, served_model_name: str, max_waiting_requests: int,
+                 default_sampling: dict[str, float] | None = None):
         self.engine = engine
+        # what a request that leaves a sampling field out gets (vLLM's --override-generation-config)
+        self.default_sampling = {**NEUTRAL_SAMPLING, **(default_sampling or {})}
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
         self.max_waiting_requests = max_waiting_requests
@@ -94,17 +103,17 @@ class OpenAIServing:
             "n": req.n,
             "max_tokens": max_tokens,
             "min_tokens": req.min_tokens,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
-            "top_k": -1 if req.top_k is None or req.top_k == 0 else req.top_k,
-            "min_p": req.min_p or 0.0,
+            "temperature": self._or_default(req.temperature, "temperature"),
+            "top_p": self._or_default(req.top_p, "top_p"),
+            "top_k": int(self._or_default(req.top_k, "top_k")) or -1,
+            "min_p": self._or_default(req.min_p, "min_p"),
             "seed": req.seed,
             "stop": req.stop,
             "stop_token_ids": req.stop_token_ids or [],
             "ignore_eos": req.ignore_eos,
-            "presence_penalty": req.presence_penalty or 0.0,
-            "frequency_penalty": req.frequency_penalty or 0.0,
-            "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            "presence_penalty": self._or_default(req.presence_penalty, "presence_penalty"),
+            "frequency_penalty": self._or_default(req.frequency_penalty, "frequency_penalty"),
+            "repetition_penalty": self._or_default(req.repetition_penalty, "repetition_penalty"),
             "logprobs": logprobs,
             "skip_special_tokens": req.skip_special_tokens,
         }
@@ -116,6 +125,9 @@ class OpenAIServing:
         except ValidationError as e:
             first = e.errors()[0]
             raise InvalidRequestError(first["msg"], param=".".join(str(p) for p in first["loc"])) from None
+
+    def _or_default(self, value: float | None, name: str) -> float:
+        return self.default_sampling[name] if value is None else value
 
     def _check_length(self, prompt: Prompt, max_tokens: int | None, param: str) -> int:
         """The max_tokens to ask for: the client's, or what is left of the context."""

@@ -44,9 +44,16 @@ class ModelConfig(BaseModel):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    checkpoint_format: Literal["safetensors", "gguf"] = "safetensors"
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        """From a Hugging Face directory's config.json, or from a GGUF file's metadata (a `.gguf` path,
+        or a directory holding one and no config.json)."""
+        from engine.gguf import find_gguf_file, model_config_fields
+
+        if (gguf_file := find_gguf_file(model_dir)) is not None:
+            return cls(**model_config_fields(gguf_file))
         path = Path(model_dir)
         if not path.is_dir():
             raise ModelLoadError(f"model directory {str(path)!r} does not exist (models load from a local directory)")
@@ -158,10 +165,20 @@ class EngineConfig(BaseModel):
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
+        if model_config.checkpoint_format == "gguf":
+            return self._preferred_dtype()  # dequantized: no dtype of its own
         dtype = _DTYPES.get(model_config.torch_dtype or "float32", torch.float32)
         if self.resolved_device().type == "cpu" and dtype == torch.float16:
             return torch.bfloat16  # float16 matmuls are slow and imprecise on CPU
         return dtype
+
+    def _preferred_dtype(self) -> torch.dtype:
+        """bfloat16 where the hardware multiplies it natively (CUDA, AVX512-BF16 or AMX CPUs), else float32."""
+        from kernels.backend import cpu_supports_bf16
+
+        if self.resolved_device().type == "cuda" or cpu_supports_bf16():
+            return torch.bfloat16
+        return torch.float32
 
     def resolve(self, model_config: ModelConfig) -> ResolvedLimits:
         """Check this config against the model and fill in the limits derived from it."""

@@ -1,9 +1,10 @@
-"""Hugging Face model directory -> this rank's CausalLM, its weight shards read from safetensors."""
+"""A checkpoint (Hugging Face safetensors directory or GGUF file) -> this rank's CausalLM and tokenizer."""
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -11,9 +12,10 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.gguf import find_gguf_file, gguf_checkpoint_tensors, load_gguf_tokenizer
 from engine.models import CausalLM, model_class_for
 from kernels.backend import KernelBackend
-from parallel.layers import ShardShapeError
+from parallel.layers import CheckpointTensor, ShardShapeError
 from parallel.state import ParallelContext
 
 logger = logging.getLogger(__name__)
@@ -30,7 +32,8 @@ _FUSED_PARTS = {
     fused: [part for part, (f, _) in FUSED_MODULES.items() if f == fused]
     for fused in {f for f, _ in FUSED_MODULES.values()}
 }
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# Not weights: rotary tables (GGUF's rope_freqs is read into ModelConfig.rope_scaling).
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$|^rope_freqs\.weight$")
 
 
 def checkpoint_to_param(name: str) -> tuple[str, str | int | None]:
@@ -50,49 +53,59 @@ def param_to_checkpoint(param_name: str) -> list[str]:
 
 
 def load_model(
-    model_dir: str | Path,
+    model_path: str | Path,
     model_config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device | str,
     parallel: ParallelContext,
     backend: KernelBackend,
 ) -> CausalLM:
-    """Build this rank's model (uninitialised) and fill it from every *.safetensors in model_dir."""
-    files = safetensors_files(model_dir)
+    """Build this rank's model (uninitialised) and fill it from the checkpoint: every *.safetensors in a
+    Hugging Face directory, or a GGUF file (dequantized)."""
     with torch.device(device):
         model = model_class_for(model_config)(model_config, parallel, backend, dtype=dtype)
     params = dict(model.named_parameters())  # a tied lm_head shares the embedding: not listed
     expected = {ckpt: param for param in params for ckpt in param_to_checkpoint(param)}
     loaded: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as checkpoint:
-            for name in checkpoint.keys():
-                if name not in expected:
-                    if not _IGNORED.search(name) and not (
-                        model_config.tie_word_embeddings and name == "lm_head.weight"
-                    ):
-                        logger.warning(
-                            "ignoring checkpoint tensor %s (%s): the model has no such weight",
-                            name,
-                            file.name,
-                        )
-                    continue
-                param_name, shard_id = checkpoint_to_param(name)
-                param = params[param_name]
-                try:
-                    param.weight_loader(param, checkpoint.get_slice(name), shard_id)
-                except ShardShapeError as e:
-                    raise ModelLoadError(f"tensor {name!r} in {file.name}: {e}") from None
-                loaded.add(name)
+    for source, name, tensor in checkpoint_tensors(model_path, model_config):
+        if name not in expected:
+            if not _IGNORED.search(name) and not (
+                model_config.tie_word_embeddings and name == "lm_head.weight"
+            ):
+                logger.warning("ignoring checkpoint tensor %s: the model has no such weight", source)
+            continue
+        param_name, shard_id = checkpoint_to_param(name)
+        param = params[param_name]
+        try:
+            param.weight_loader(param, tensor, shard_id)
+        except ShardShapeError as e:
+            raise ModelLoadError(f"tensor {source}: {e}") from None
+        loaded.add(name)
     missing = sorted(set(expected) - loaded)
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise ModelLoadError(
-            f"checkpoint in {str(model_dir)!r} is missing tensor(s) the model needs: {shown}"
+            f"checkpoint in {str(model_path)!r} is missing tensor(s) the model needs: {shown}"
         )
     return model.eval()
+
+
+def checkpoint_tensors(
+    model_path: str | Path, model_config: ModelConfig
+) -> Iterator[tuple[str, str, CheckpointTensor]]:
+    """(where it came from, Hugging Face name, tensor or safetensors slice) for every checkpoint tensor."""
+    if (gguf_file := find_gguf_file(model_path)) is not None:
+        for gguf_name, name, tensor in gguf_checkpoint_tensors(
+            gguf_file, model_config.num_attention_heads, model_config.num_key_value_heads
+        ):
+            yield f"{gguf_name} in {gguf_file.name}", name, tensor
+        return
+    for file in safetensors_files(model_path):
+        with safe_open(str(file), framework="pt", device="cpu") as checkpoint:
+            for name in checkpoint.keys():
+                yield f"{name!r} in {file.name}", name, checkpoint.get_slice(name)
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -105,15 +118,17 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(
-            f"no *.safetensors files in {str(path)!r} (only safetensors checkpoints are supported)"
+            f"no *.safetensors files in {str(path)!r} (checkpoints are safetensors directories or GGUF files)"
         )
     return files
 
 
 def load_tokenizer(model_dir: str | Path):
-    """The directory's Hugging Face tokenizer, from local files only."""
+    """The directory's Hugging Face tokenizer, or the one a GGUF file describes; local files only."""
     from transformers import AutoTokenizer
 
+    if (gguf_file := find_gguf_file(model_dir)) is not None:
+        return load_gguf_tokenizer(gguf_file)
     path = Path(model_dir)
     if not path.is_dir():
         raise ModelLoadError(f"tokenizer directory {str(path)!r} does not exist")

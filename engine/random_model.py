@@ -17,6 +17,8 @@ from typing import Literal
 
 import torch
 
+from engine.demo_model import cache_root
+
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
 BOS_ID, EOS_ID = 1, 2
 
@@ -199,11 +201,6 @@ def _training_corpus(max_chars: int) -> list[str]:
         if total >= max_chars:
             break
     return texts
-
-
-def cache_root() -> Path:
-    """Where generated models live: $SHARDSERVE_CACHE, else ~/.cache/shardserve."""
-    return Path(os.environ.get("SHARDSERVE_CACHE") or Path.home() / ".cache" / "shardserve").expanduser()
 
 
 def default_bench_model_dir() -> Path:

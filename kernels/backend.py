@@ -146,6 +146,17 @@ def _native_cpu_backend() -> KernelBackend | None:
     )
 
 
+@functools.cache
+def cpu_supports_bf16() -> bool:
+    """AVX512-BF16 or AMX: bfloat16 matrix products run natively on this CPU (else float32 is faster)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = cpuinfo.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def triton_interpreter_enabled() -> bool:
     """Triton's own switch for running kernels on the CPU (read by triton at import time)."""
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on")  # as triton parses it

@@ -15,8 +15,10 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None)
         return inv_freq
     if kind == "linear":
         return inv_freq / rope_scaling["factor"]
+    if kind == "freq_factors":  # GGUF's rope_freqs tensor: Llama 3's scaling, already worked out per frequency
+        return inv_freq / torch.tensor(rope_scaling["factors"], dtype=torch.float32)
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, freq_factors)")
     factor = rope_scaling["factor"]
     low_freq_factor = rope_scaling["low_freq_factor"]
     high_freq_factor = rope_scaling["high_freq_factor"]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.bench import BenchArgs, run_bench
+from kernels.backend import cpu_supports_bf16
 from scripts.bench_engine import make_prompts
 from scripts.bench_serve import (
     REPO,
@@ -35,7 +36,6 @@ from scripts.bench_serve import (
     ServerProcess,
     bench_model_dir,
     cpu_description,
-    cpu_supports_bf16,
     git_commit,
     vllm_cpu_env,
     vllm_version,

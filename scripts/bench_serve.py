@@ -23,6 +23,7 @@ import httpx
 
 from app.bench import BenchArgs, run_bench
 from app.bench_report import append_csv, format_ratios, format_table, plot, read_csvs
+from kernels.backend import cpu_supports_bf16
 
 REPO = Path(__file__).resolve().parent.parent
 DOC_BEGIN = "<!-- serving-bench:begin (written by scripts/bench_serve.py) -->"
@@ -180,15 +181,6 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def cpu_supports_bf16() -> bool:
-    """AVX512-BF16 or AMX: bfloat16 matrix products run natively (else float32 is faster)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def bench_model_dir() -> Path:

@@ -59,6 +59,14 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
     return make_model("qwen3", "tiny", tmp_path_factory.mktemp("tiny-qwen3"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The demo model's file: SmolLM2-135M-Instruct, Q4_1 GGUF (fetched once per machine; `make install` does it)."""
+    from engine.demo_model import ensure_demo_model
+
+    return ensure_demo_model()
+
+
 class HFGreedy:
     """transformers' greedy generate in float32, one prompt at a time: the exactness oracle.
 

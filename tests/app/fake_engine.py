@@ -67,6 +67,7 @@ class FakeEngine:
         self.is_running = True
         self.stats_now = FakeStats()
         self.request_ids: list[str] = []
+        self.sampling_params: list = []  # what each generate() was asked for
         self.num_generated_tokens = 0
         self.fail_with: Exception | None = None  # raised by the next generate() before its first delta
 
@@ -84,6 +85,7 @@ class FakeEngine:
         if len(prompt_token_ids) + sp.max_tokens > self.max_model_len:
             raise InvalidRequestError("too long (engine)", param="max_tokens")
         self.request_ids.append(request_id)
+        self.sampling_params.append(sp)
         texts = [""] * sp.n
         done = [False] * sp.n
         self.stats_now.num_running += 1

@@ -62,6 +62,24 @@ async def test_completion_returns_text_and_exact_usage(client):
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
 
 
+async def test_sampling_fields_a_request_leaves_out_take_the_servers_defaults(engine):
+    serving = OpenAIServing(engine, MODEL, max_waiting_requests=4, default_sampling={"temperature": 0.2, "top_p": 0.9})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(serving)), base_url="http://test") as c:
+        for body in ({}, {"temperature": 0.7}, {"top_p": 1.0, "top_k": 0}):
+            r = await c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, **body,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+    assert [(p.temperature, p.top_p, p.top_k) for p in engine.sampling_params] == [
+        (0.2, 0.9, -1), (0.7, 0.9, -1), (0.2, 1.0, -1)]
+
+
+async def test_without_server_defaults_a_request_samples_at_temperature_1(client, engine):
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    [params] = engine.sampling_params
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (1.0, 1.0, -1, 0.0)
+
+
 async def test_list_prompt_gives_n_choices_per_prompt_in_openai_order(client, engine):
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": ["ab", "xyz"],
                                                    "max_tokens": 3, "n": 2, "temperature": 0})

@@ -99,3 +99,16 @@ def test_the_served_token_budget_defaults_to_short_steps_on_cpu(tiny_llama_dir):
     assert explicit.max_num_batched_tokens == 512
     assert cli_args("--max-num-batched-tokens", "4096").max_num_batched_tokens == 4096
     assert cli_args("--stream-interval-ms", "0").stream_interval_ms == 0
+
+
+def test_sampling_defaults_are_the_flags_else_the_demo_models_else_neutral():
+    from app.deployment import default_sampling
+    from engine.demo_model import DEMO_GENERATION_CONFIG
+
+    assert cli_args("--override-generation-config", '{"temperature": 0.3, "top_k": 40}').override_generation_config == {
+        "temperature": 0.3, "top_k": 40}
+    assert default_sampling(cli_args("--override-generation-config", '{"temperature": 0.3}')) == {"temperature": 0.3}
+    assert default_sampling(cli_args()) == DEMO_GENERATION_CONFIG  # no --model: the demo model's own
+    assert default_sampling(cli_args("--model", "/models/x")) == {}
+    with pytest.raises(ValueError, match="override_generation_config"):
+        cli_args("--override-generation-config", '{"temprature": 0.3}')
