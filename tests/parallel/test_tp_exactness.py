@@ -114,3 +114,17 @@ def test_each_rank_holds_a_tp_share_of_weights_and_kv_cache(tp_case, tp1_engines
 
     # same block count on every rank, each holding its own KV heads of every block
     assert [r.kv_cache_bytes for r in ranks] == [single.kv_cache_bytes * kv_heads_per_rank // kv_heads] * tp
+
+
+def test_a_gguf_checkpoint_is_sharded_as_its_safetensors_original(tiny_llama_dir, hf_greedy, tmp_path):
+    """Dequantized GGUF weights (llama.cpp's q/k row order undone first) cut into the same TP shards."""
+    from tests.engine.gguf_files import write_gguf
+
+    file = write_gguf(tiny_llama_dir, tmp_path / "tiny.gguf")
+    prompts = prompts_for(1024)
+    expected = hf_greedy(tiny_llama_dir, prompts, MAX_TOKENS, ignore_eos=True)
+    llm = LLM(str(file), tensor_parallel_size=2, dtype="float32", **CHUNKED_AND_PREEMPTING)
+    try:
+        assert greedy(llm, prompts) == expected
+    finally:
+        llm.shutdown()
