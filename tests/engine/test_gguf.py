@@ -165,3 +165,14 @@ def test_model_paths_name_one_gguf_file(tmp_path):
     assert find_gguf_file(tmp_path) is None  # a Hugging Face directory wins
     with pytest.raises(ModelLoadError, match="cannot read .* as a GGUF file"):
         ModelConfig.from_pretrained(tmp_path / "a.gguf")
+
+
+def test_gguf_to_hf_writes_what_transformers_reads_back_as_the_original(tiny_qwen3_dir, hf_greedy, tmp_path):
+    """scripts/gguf_to_hf.py: the benchmarks' way to hand a GGUF model's weights to a peer that reads only
+    Hugging Face directories."""
+    from scripts.gguf_to_hf import convert
+
+    out = convert(write_gguf(tiny_qwen3_dir, tmp_path / "q3.gguf"), tmp_path / "hf", dtype="float32")
+    prompts = random_prompts([5, 30], seed=11)
+    assert hf_greedy(out, prompts, 10, ignore_eos=True) == hf_greedy(tiny_qwen3_dir, prompts, 10, ignore_eos=True)
+    assert load_tokenizer(out).encode("héllo wörld") == load_tokenizer(tiny_qwen3_dir).encode("héllo wörld")
