@@ -9,6 +9,11 @@ thread that runs a parallel op owns a team of threads; two teams on a 2-core mac
 threads than cores, libgomp then stops spinning between ops, and every op from the loop thread
 paid a sleep and wake-up (~80 µs): a batch-1 decode step took twice as long as on the main thread
 (docs/BENCHMARKS.md, "Serving path").
+
+Lifecycle: the thread runs an `_EngineLoop`, which never refers to the `AsyncLLMEngine` that callers
+hold, so that one can be garbage-collected; its `weakref.finalize` (run by `shutdown()`, leaving a
+`with` / `async with` block, garbage collection or interpreter exit) stops the loop, and the loop
+thread shuts the engine down (worker actors, placement group, swap thread) as it leaves.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -25,6 +31,9 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 
 logger = logging.getLogger(__name__)
+
+# How long shutdown waits for the loop thread to finish its step and release the engine.
+SHUTDOWN_TIMEOUT_S = 30.0
 
 
 class _Stream:
@@ -44,23 +53,126 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
         queue.put_nowait(item)
 
 
-class AsyncLLMEngine:
+class _EngineLoop:
+    """The loop thread's side: the engine it builds and steps, the inbox it drains, the streams it feeds."""
+
     def __init__(self, config: EngineConfig):
-        self._inbox: deque[tuple] = deque()
-        self._wakeup = threading.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._error: BaseException | None = None
-        self._stopped = False
+        self.inbox: deque[tuple] = deque()
+        self.wakeup = threading.Event()
+        self.streams: dict[str, _Stream] = {}
+        self.error: BaseException | None = None
+        self.stopped = False
         self.engine: LLMEngine | None = None
         built = threading.Event()
-        self._thread = threading.Thread(
+        self.thread = threading.Thread(
             target=self._build_and_run, args=(config, built), name="shardserve-engine-loop", daemon=True
         )
-        self._thread.start()
+        self.thread.start()
         built.wait()
         if self.engine is None:  # the build failed on the loop thread: raise it here, in the caller
-            self._thread.join()
-            raise self._error
+            self.thread.join()
+            raise self.error
+
+    def stop(self) -> None:
+        """Ask the loop to leave (it then releases the engine) and wait for it, unless called on it."""
+        self.stopped = True
+        self.wakeup.set()
+        if threading.current_thread() is self.thread:  # e.g. a garbage collection that ran on the loop
+            return
+        self.thread.join(timeout=SHUTDOWN_TIMEOUT_S)
+        if self.thread.is_alive():
+            logger.warning("the engine loop did not stop within %.0f s; it releases the engine when its step "
+                           "returns", SHUTDOWN_TIMEOUT_S)
+
+    def _build_and_run(self, config: EngineConfig, built: threading.Event) -> None:
+        try:
+            self.engine = LLMEngine(config)
+        except BaseException as exc:  # noqa: BLE001 — handed to the constructor, which raises it
+            self.error = exc
+            return
+        finally:
+            built.set()
+        try:
+            self._run()
+        finally:
+            self._release()
+
+    def _run(self) -> None:
+        try:
+            while not self.stopped:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self.wakeup.wait()
+                    self.wakeup.clear()
+                    continue
+                self._deliver_all(self.engine.step())
+        except BaseException as exc:  # noqa: BLE001 — any failure kills the loop; tell every waiter
+            logger.exception("engine loop died")
+            self.error = exc
+
+    def _release(self) -> None:
+        """End every stream still open, then shut the engine down, on this thread like everything else."""
+        reason = f"the engine loop died: {self.error!r}" if self.error is not None else "the engine was shut down"
+        for stream in list(self.streams.values()):
+            stream.put(EngineDeadError(reason))
+        try:
+            self.engine.shutdown()
+        except Exception:  # noqa: BLE001 — nobody is left to raise it to
+            logger.exception("engine shutdown failed")
+
+    def _drain_inbox(self) -> None:
+        while self.inbox:
+            item = self.inbox.popleft()
+            if item[0] == "add":
+                _, request_id, prompt, token_ids, params = item
+                if request_id not in self.streams:
+                    continue  # the client left before the request reached the loop
+                try:
+                    request = self.engine.add_request(request_id, token_ids, params)
+                    request.prompt = prompt if isinstance(prompt, str) else None
+                except InvalidRequestError as exc:
+                    self.streams[request_id].put(exc)
+            else:
+                output = self.engine.abort_request(item[1])
+                if output is not None:
+                    self._deliver(output)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's deltas, handed to each event loop in one callback (one wake-up per step, not one per
+        request: at 50 streams that is 49 fewer cross-thread wake-ups of the serving loop per step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            stream = self.streams.get(output.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: nobody is listening
+                pass
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self.streams.get(output.request_id)
+        if stream is not None:
+            stream.put(output)
+
+
+class AsyncLLMEngine:
+    """The engine for serving: requests in as `generate` streams, from any event loop."""
+
+    def __init__(self, config: EngineConfig):
+        self._engine_loop = _EngineLoop(config)
+        # registered after the build, so at exit it runs before the executor's own finalizer
+        self._stop = weakref.finalize(self, self._engine_loop.stop)
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self._engine_loop.engine
+
+    @property
+    def loop_thread(self) -> threading.Thread:
+        """The thread that built the engine and runs its steps."""
+        return self._engine_loop.thread
 
     @property
     def tokenizer(self):
@@ -76,7 +188,8 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._error is None and not self._stopped
+        engine_loop = self._engine_loop
+        return engine_loop.thread.is_alive() and engine_loop.error is None and not engine_loop.stopped
 
     async def generate(
         self,
@@ -86,16 +199,17 @@ class AsyncLLMEngine:
         prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream deltas of one request; leaving the iteration early aborts it."""
+        engine_loop = self._engine_loop
         if not self.is_running:
-            raise EngineDeadError(f"the engine loop is not running ({self._error or 'shut down'})")
+            raise EngineDeadError(f"the engine loop is not running ({engine_loop.error or 'shut down'})")
         self.engine.validate_request(prompt_token_ids, sampling_params)
-        if request_id in self._streams:
+        if request_id in engine_loop.streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         stream = _Stream(asyncio.get_running_loop())
-        self._streams[request_id] = stream
-        self._inbox.append(("add", request_id, prompt if prompt is not None else prompt_token_ids,
-                            list(prompt_token_ids), sampling_params))
-        self._wakeup.set()
+        engine_loop.streams[request_id] = stream
+        engine_loop.inbox.append(("add", request_id, prompt if prompt is not None else prompt_token_ids,
+                                  list(prompt_token_ids), sampling_params))
+        engine_loop.wakeup.set()
         finished = False
         try:
             while True:
@@ -107,13 +221,13 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            engine_loop.streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.append(("abort", request_id))
-        self._wakeup.set()
+        self._engine_loop.inbox.append(("abort", request_id))
+        self._engine_loop.wakeup.set()
 
     @property
     def recent_steps(self) -> deque[tuple[int, int]]:
@@ -122,75 +236,21 @@ class AsyncLLMEngine:
 
     def stats(self) -> EngineStats:
         stats = self.engine.stats()
-        stats.num_waiting += sum(1 for item in list(self._inbox) if item[0] == "add")
+        stats.num_waiting += sum(1 for item in list(self._engine_loop.inbox) if item[0] == "add")
         return stats
 
     def shutdown(self) -> None:
-        self._stopped = True
-        self._wakeup.set()
-        self._thread.join(timeout=30)
-        self.engine.shutdown()
+        """Stop the loop, end open streams, release the engine; idempotent."""
+        self._stop()
 
-    # ---- the loop thread --------------------------------------------------------------------
+    def __enter__(self) -> AsyncLLMEngine:
+        return self
 
-    def _build_and_run(self, config: EngineConfig, built: threading.Event) -> None:
-        try:
-            self.engine = LLMEngine(config)
-        except BaseException as exc:  # noqa: BLE001 — handed to the constructor, which raises it
-            self._error = exc
-            return
-        finally:
-            built.set()
-        self._run()
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
-    def _run(self) -> None:
-        try:
-            while not self._stopped:
-                self._drain_inbox()
-                if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait()
-                    self._wakeup.clear()
-                    continue
-                self._deliver_all(self.engine.step())
-        except BaseException as exc:  # noqa: BLE001 — any failure kills the loop; tell every waiter
-            logger.exception("engine loop died")
-            self._error = exc
-            dead = EngineDeadError(f"the engine loop died: {exc!r}")
-            for stream in list(self._streams.values()):
-                stream.put(dead)
+    async def __aenter__(self) -> AsyncLLMEngine:
+        return self
 
-    def _drain_inbox(self) -> None:
-        while self._inbox:
-            item = self._inbox.popleft()
-            if item[0] == "add":
-                _, request_id, prompt, token_ids, params = item
-                if request_id not in self._streams:
-                    continue  # the client left before the request reached the loop
-                try:
-                    request = self.engine.add_request(request_id, token_ids, params)
-                    request.prompt = prompt if isinstance(prompt, str) else None
-                except InvalidRequestError as exc:
-                    self._streams[request_id].put(exc)
-            else:
-                output = self.engine.abort_request(item[1])
-                if output is not None:
-                    self._deliver(output)
-
-    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        """A step's deltas, handed to each event loop in one callback (one wake-up per step, not one per
-        request: at 50 streams that is 49 fewer cross-thread wake-ups of the serving loop per step)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, output))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that loop is closed: nobody is listening
-                pass
-
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is not None:
-            stream.put(output)
+    async def __aexit__(self, *exc_info) -> None:
+        await asyncio.to_thread(self.shutdown)  # waits for a step to finish: not on the event loop

@@ -238,13 +238,16 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        shutdown = getattr(self.executor, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        """Release what the executor started (threads, worker actors, placement group); idempotent."""
+        self.executor.shutdown()
 
 
 class LLM:
-    """Offline batch generation: `LLM(model=dir).generate(prompts, SamplingParams(...))`."""
+    """Offline batch generation: `LLM(model=dir).generate(prompts, SamplingParams(...))`.
+
+    `shutdown()`, leaving a `with LLM(...) as llm:` block, dropping the last reference, or the
+    interpreter's exit releases what it started (the executor's finalizer: parallel/workers.py).
+    """
 
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
@@ -287,3 +290,9 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()

@@ -213,3 +213,8 @@ class ModelRunner:
     def wait_swap_outs(self) -> list[int]:
         """Block until every swap-out in flight finished (when nothing else can run); their tickets."""
         return self.swapper.wait_all() if self.swapper is not None else []
+
+    def shutdown(self) -> None:
+        """Stop the swap-out thread (after its copies in flight); the rest goes with the object."""
+        if self.swapper is not None:
+            self.swapper.shutdown()

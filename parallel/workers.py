@@ -11,6 +11,12 @@ length, its bytes; well under a millisecond each at world size 2) instead of a R
 submission, a result object and a `ray.get` per worker per step. Swap preemption works as at
 TP=1: each rank copies its own heads of the swapped blocks (engine/swap.py).
 
+Lifecycle: what rank 0 started besides its own shard (the worker actors, an offline engine's
+placement group, the groups it shares with them) sits in `StartedRanks`, which a
+`weakref.finalize` on the executor releases when the executor is shut down, garbage-collected or
+still alive at interpreter exit. The finalizer holds that object, never the executor: a finalizer
+that refers to its own object keeps it alive for ever.
+
 Failure: a worker that raises writes its exception to the engine's rendezvous store and exits
 its process, so its sockets close. A killed worker closes them too. Rank 0's next collective
 then fails at once ("Connection closed by peer"); a peer that is alive but stuck is bounded by
@@ -25,6 +31,7 @@ import os
 import pickle
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 
 import ray
@@ -42,7 +49,13 @@ from engine.errors import EngineDeadError, EngineError
 from engine.model_runner import ModelRunner, StepInput
 from parallel.comm import broadcast_object
 from parallel.layers import weight_bytes
-from parallel.state import RENDEZVOUS_TIMEOUT, connect_store, create_store, init_parallel_context
+from parallel.state import (
+    RENDEZVOUS_TIMEOUT,
+    ParallelContext,
+    connect_store,
+    create_store,
+    init_parallel_context,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +127,7 @@ class TensorParallelWorker:
             )
             while (step := broadcast_object(None, parallel)) is not None:
                 self.runner.execute_model(step)
+            self.runner.shutdown()
         except BaseException as exc:  # noqa: BLE001 - any failure must close this rank's sockets
             self._report_and_exit(exc)
 
@@ -212,10 +226,41 @@ class WorkerPlacement:
             remove_placement_group(self.placement_group)
 
 
+class StartedRanks:
+    """What a tensor-parallel executor started besides its own shard: ranks 1..tp-1, their placement,
+    and rank 0's groups with them. `release()` frees it all; calling it again does nothing."""
+
+    def __init__(self) -> None:
+        self.placement: WorkerPlacement | None = None
+        self.workers: list = []
+        self.loops: list = []  # each worker's `run` call: resolves when it leaves its loop or dies
+        # rank 0's groups while every rank is in step, so the farewell (a None step) can go out on
+        # them; None before the ranks are up and after a failure left them out of step
+        self.parallel: ParallelContext | None = None
+
+    def release(self) -> None:
+        """Stop the workers' loops (or kill them) and free their placement."""
+        parallel, self.parallel = self.parallel, None
+        workers, loops, placement = self.workers, self.loops, self.placement
+        self.workers, self.loops, self.placement = [], [], None
+        if not ray.is_initialized():  # at exit after ray.shutdown(): Ray took actors and group with it
+            return
+        if parallel is not None and loops:
+            try:
+                broadcast_object(None, parallel)
+                ray.wait(loops, num_returns=len(loops), timeout=SHUTDOWN_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a worker already gone: killed below anyway
+                pass
+        for worker in workers:
+            ray.kill(worker)
+        if placement is not None:
+            placement.release()
+
+
 class TensorParallelExecutor:
     """Rank 0 of an engine's tensor-parallel group: runs its shard here and drives ranks 1..tp-1.
 
-    The engine's interface is ModelRunner's: `num_blocks`, `execute_model(step)`, plus `shutdown()`.
+    The engine's interface is ModelRunner's: `num_blocks`, `execute_model(step)`, `shutdown()`.
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
@@ -223,26 +268,26 @@ class TensorParallelExecutor:
         device_type = config.resolved_device().type
         ensure_ray(self.world_size)
         self._store = create_store(self.world_size)
-        self._placement: WorkerPlacement | None = None
-        self._workers: list = []
-        self._loops: list = []  # each worker's `run` call: resolves when it leaves its loop or dies
+        self._ranks = StartedRanks()
+        self._release = weakref.finalize(self, self._ranks.release)  # shutdown, garbage collection or exit
         self._dead: str | None = None
         self.runner: ModelRunner | None = None
         try:
-            self._placement = WorkerPlacement.acquire(self.world_size, device_type)
+            placement = self._ranks.placement = WorkerPlacement.acquire(self.world_size, device_type)
             for rank in range(1, self.world_size):
-                worker = TensorParallelWorker.options(**self._placement.actor_options(rank)).remote(
+                worker = TensorParallelWorker.options(**placement.actor_options(rank)).remote(
                     config, model_config, rank, self.world_size, self._store.port, max_model_len
                 )
-                self._workers.append(worker)
-            self._loops = [worker.run.remote() for worker in self._workers]
+                self._ranks.workers.append(worker)
+            self._ranks.loops = [worker.run.remote() for worker in self._ranks.workers]
             self._wait_for_workers_to_join()
-            if device_type == "cuda" and self._placement.owned:
+            if device_type == "cuda" and placement.owned:
                 self._use_gpu_no_worker_has()
             parallel = init_parallel_context(self._store, 0, self.world_size, device_type)
             self.runner = ModelRunner(config, model_config, parallel=parallel, max_model_len=max_model_len)
+            self._ranks.parallel = parallel
         except BaseException as exc:
-            failure = self._worker_failure() if self._loops else None
+            failure = self._worker_failure() if self._ranks.loops else None
             self.shutdown()
             if isinstance(failure, EngineError):
                 raise failure from exc  # e.g. a worker's ModelLoadError, as rank 0 would raise it
@@ -261,6 +306,7 @@ class TensorParallelExecutor:
         except Exception as exc:  # any failure leaves the ranks out of step: the engine is done
             failure = self._worker_failure()
             self._dead = f"tensor-parallel step failed: {_describe(failure if failure is not None else exc)}"
+            self._ranks.parallel = None  # out of step: a farewell on the groups could wait for ever
             self.shutdown()
             raise EngineDeadError(self._dead) from exc
 
@@ -285,37 +331,31 @@ class TensorParallelExecutor:
         """Every rank's weight and KV-cache bytes, in rank order."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        workers = ray.get([worker.memory.remote() for worker in self._workers])
+        workers = ray.get([worker.memory.remote() for worker in self._ranks.workers])
         return [measure_memory(self.runner), *workers]
 
     @property
     def workers(self) -> list:
         """The worker actors, rank 1 first."""
-        return list(self._workers)
+        return list(self._ranks.workers)
 
     def shutdown(self) -> None:
-        """Stop the workers' loops (or kill them), free their placement, drop this engine's groups."""
-        if self._dead is None and self.runner is not None:
-            try:
-                broadcast_object(None, self.runner.parallel)
-                ray.wait(self._loops, num_returns=len(self._loops), timeout=SHUTDOWN_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - a worker already gone: killed below anyway
-                pass
+        """Stop the workers, free their placement, drop this engine's groups; again, it does nothing."""
         self._dead = self._dead or "the engine was shut down"
-        for worker in self._workers:
-            ray.kill(worker)
-        self._workers, self._loops = [], []
-        if self._placement is not None:
-            self._placement.release()
-            self._placement = None
-        self.runner = None  # drops rank 0's process groups (their sockets close)
+        self._release()
+        if self.runner is not None:
+            self.runner.shutdown()
+        # the groups close their sockets when the last reference goes (ProcessGroupGloo.shutdown() and
+        # abort() leave them open); the runner's layers hold the rest of them
+        self.runner = None
+        self._store = None
 
     def _wait_for_workers_to_join(self) -> None:
         """Block until every worker is about to join the groups; fail fast if one dies first."""
         pending = set(range(1, self.world_size))
         deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
         while pending:
-            ready, _ = ray.wait(self._loops, num_returns=1, timeout=0.1)
+            ready, _ = ray.wait(self._ranks.loops, num_returns=1, timeout=0.1)
             if ready:  # a worker left `run` before joining: it failed
                 raise WorkerStartError("a worker failed before joining")
             pending = {rank for rank in pending if not self._store.check([_joined_key(rank)])}
@@ -327,7 +367,7 @@ class TensorParallelExecutor:
 
     def _use_gpu_no_worker_has(self) -> None:
         """Offline on a multi-GPU node rank 0 is the driver, outside the group: take a GPU no worker got."""
-        taken = {gpu for ids in ray.get([w.gpu_ids.remote() for w in self._workers]) for gpu in ids}
+        taken = {gpu for ids in ray.get([w.gpu_ids.remote() for w in self._ranks.workers]) for gpu in ids}
         free = [index for index in range(torch.cuda.device_count()) if index not in taken]
         if not free:
             raise WorkerStartError(f"no GPU left for rank 0: the workers hold {sorted(taken)}")
@@ -335,7 +375,8 @@ class TensorParallelExecutor:
 
     def _worker_failure(self) -> BaseException | str | None:
         """What happened to the first worker that failed: its reported exception, or Ray's account."""
-        ready, _ = ray.wait(self._loops, num_returns=1, timeout=FAILURE_REPORT_TIMEOUT_S)
+        loops = self._ranks.loops
+        ready, _ = ray.wait(loops, num_returns=1, timeout=FAILURE_REPORT_TIMEOUT_S)
         for rank in range(1, self.world_size):
             key = _failure_key(rank)
             if self._store.check([key]):
@@ -345,7 +386,7 @@ class TensorParallelExecutor:
                     return reported
                 return f"worker rank {rank} raised {_describe(reported)}"
         for ref in ready:
-            rank = 1 + self._loops.index(ref)
+            rank = 1 + loops.index(ref)
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError as exc:

@@ -1,6 +1,8 @@
 """Incremental detokenization, and the async engine's streams, aborts and error reporting."""
 
 import asyncio
+import gc
+import time
 
 import pytest
 
@@ -140,7 +142,7 @@ def test_the_async_engine_builds_and_steps_on_its_loop_thread_with_the_configure
         real(EngineConfig(model=str(tiny_llama_dir)).resolved_cpu_threads())
     threads = {ident for ident, _ in calls}
     assert {n for _, n in calls} == {1}
-    assert threads == {engine._thread.ident} != {threading.get_ident()}
+    assert threads == {engine.loop_thread.ident} != {threading.get_ident()}
 
 
 def test_cpu_threads_default_to_the_cores_shared_by_the_ranks(tiny_llama_dir):
@@ -163,3 +165,35 @@ def test_an_engine_that_cannot_be_built_raises_in_the_constructor_and_leaves_no_
     with pytest.raises(Exception):  # noqa: B017 — whatever the loader raises reaches the caller
         AsyncLLMEngine(EngineConfig(model=str(tmp_path)))
     assert loops() == before
+
+
+async def test_shutdown_ends_the_loop_thread_and_every_open_stream_and_can_be_repeated(tiny_llama_dir):
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
+    step = engine.engine.step
+    engine.engine.step = lambda: (time.sleep(0.05), step())[1]  # the stream stays open for 50 s
+    stream = engine.generate([5, 6, 7], greedy(1000), "open")
+    await anext(stream)
+    await asyncio.to_thread(engine.shutdown)
+    assert not engine.loop_thread.is_alive() and not engine.is_running
+    with pytest.raises(EngineDeadError, match="shut down"):
+        async for _ in stream:
+            pass
+    engine.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        async for _ in engine.generate([5, 6, 7], greedy(2), "after"):
+            pass
+
+
+async def test_leaving_an_async_with_block_stops_the_loop_thread(tiny_llama_dir):
+    async with AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32")) as engine:
+        tokens, _, _ = await collect(engine, "inside", [4, 5, 6], greedy(3))
+        assert len(tokens) == 3
+    assert not engine.loop_thread.is_alive()
+
+
+def test_a_dropped_async_engine_stops_its_loop_thread(tiny_llama_dir):
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
+    thread = engine.loop_thread
+    del engine  # no shutdown(): the loop thread refers to its own state only, so the engine is collected
+    gc.collect()
+    assert not thread.is_alive()

@@ -171,6 +171,31 @@ def test_a_step_waits_only_for_the_swap_outs_whose_blocks_it_writes():
     swapper.shutdown()
 
 
+def test_the_swap_out_thread_ends_with_the_engine(tiny_llama_dir):
+    before = set(threading.enumerate())
+    engine = make_engine(tiny_llama_dir, num_kv_blocks=10, max_model_len=160, enable_prefix_caching=False,
+                         watermark=0.0)
+    drive(engine, random_prompts([30, 30, 30, 30], seed=12), 40)
+    assert engine.scheduler.num_preemptions_by_mode["swap"] > 0
+    started = [t for t in threading.enumerate() if t not in before and t.name.startswith("kv-swap-out")]
+    assert started
+    engine.shutdown()
+    engine.shutdown()
+    assert not any(t.is_alive() for t in started)
+
+
+def test_a_dropped_swapper_ends_its_thread():
+    caches = [torch.randn(2, 2, 8, 4, 3) for _ in range(2)]  # [2, kv_heads, blocks, block_size, head_dim]
+    swapper = KVSwapper(caches, 4, torch.device("cpu"))
+    before = set(threading.enumerate())
+    swapper.before_step([(2, 0)], [], 0, torch.zeros(0, dtype=torch.int64), 4)
+    swapper.wait_all()
+    (thread,) = [t for t in threading.enumerate() if t not in before]
+    del swapper
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
 # ---- the engine against transformers -----------------------------------------------------------
 
 

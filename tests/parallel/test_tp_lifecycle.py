@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -12,7 +14,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from engine.config import SamplingParams
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig, SamplingParams
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLM
 
@@ -131,3 +134,90 @@ def test_an_engine_refused_at_startup_releases_its_placement_group(tiny_llama_di
     with pytest.raises(ValueError, match="fewer than max_model_len"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=2, block_size=8, num_kv_blocks=4, max_model_len=256)
     assert _live_placement_groups() == before
+
+
+def _assert_released(workers: list, placement_groups_before: set[str]) -> None:
+    """The workers' actors are dead and no placement group is left beyond those there before."""
+    for worker in workers:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(worker.__ray_ready__.remote(), timeout=30)
+    assert _live_placement_groups() <= placement_groups_before
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(120)
+def test_dropping_the_last_reference_to_an_llm_releases_its_workers_and_placement_group(tiny_llama_dir):
+    groups = _live_placement_groups()
+    llm = LLM(str(tiny_llama_dir), **SETTINGS)
+    greedy(llm)
+    workers = llm.engine.executor.workers
+    assert _live_placement_groups() != groups
+    del llm  # no shutdown()
+    gc.collect()
+    _assert_released(workers, groups)
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(120)
+def test_leaving_a_with_block_releases_the_llm_and_shutting_down_again_does_nothing(tiny_llama_dir, hf_greedy):
+    groups = _live_placement_groups()
+    with LLM(str(tiny_llama_dir), **SETTINGS) as llm:
+        assert greedy(llm) == hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS, ignore_eos=True)
+        workers = llm.engine.executor.workers
+    _assert_released(workers, groups)
+    llm.shutdown()
+    llm.engine.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        greedy(llm)
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(120)
+def test_a_dropped_async_engine_stops_its_loop_thread_and_releases_its_workers(tiny_llama_dir):
+    groups = _live_placement_groups()
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", **SETTINGS))
+
+    async def one_request(engine):
+        async for _ in engine.generate(PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True), "r"):
+            pass
+
+    asyncio.run(one_request(engine))
+    thread, workers = engine.loop_thread, engine.engine.executor.workers
+    del engine  # no shutdown(): the finalizer stops the loop, the loop releases the engine
+    gc.collect()
+    assert not thread.is_alive()
+    _assert_released(workers, groups)
+
+
+FIVE_ENGINES_SCRIPT = """
+import json, logging, sys
+import ray
+from engine.config import SamplingParams
+from engine.llm_engine import LLM
+
+ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+tokens = []
+for _ in range(5):
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, block_size=8, num_kv_blocks=64, max_model_len=256)
+    outputs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    tokens.append([o.outputs[0].token_ids for o in outputs])
+    del llm  # neither shutdown() nor gc.collect(): the reference count alone releases it
+llm = LLM(sys.argv[1], tensor_parallel_size=2, block_size=8, num_kv_blocks=64, max_model_len=256)
+print(json.dumps(tokens), flush=True)
+# the last engine is left running: interpreter exit releases it
+"""
+
+
+@pytest.mark.timeout(240)
+def test_five_tp2_engines_made_and_dropped_in_a_row_fit_in_one_process_on_two_cpus(tiny_llama_dir, hf_greedy):
+    # each engine's group takes 2 x 0.5 of the 2 CPUs: one left behind and the third waits for ever
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    run = subprocess.run(
+        [sys.executable, "-c", FIVE_ENGINES_SCRIPT, str(tiny_llama_dir), json.dumps(PROMPTS)],
+        capture_output=True, text=True, env=env, timeout=230, cwd=Path(__file__).resolve().parents[2],
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr[-3000:]
+    expected = hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS, ignore_eos=True)
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == [expected] * 5
