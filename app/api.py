@@ -17,8 +17,17 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from app.openapi import (
+    CHAT_COMPLETIONS_ROUTE,
+    COMPLETIONS_ROUTE,
+    HEALTH_ROUTE,
+    VersionInfo,
+    error_responses,
+    install_openapi,
+)
+from app.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse, ModelList
 from app.serving import ModelNotFoundError, OpenAIServing
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
@@ -86,6 +95,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, e: RequestValidationError):
         return error_response(400, str(e.errors()[:1]), "invalid_request_error")
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):  # unknown path or method
+        message = f"Invalid URL ({request.method} {request.url.path})" if e.status_code == 404 else str(e.detail)
+        return error_response(e.status_code, message, "invalid_request_error", headers=e.headers)
+
     @app.exception_handler(ModelNotFoundError)
     async def _not_found(_: Request, e: ModelNotFoundError):
         return error_response(404, str(e), "NotFoundError", param="model", code="model_not_found")
@@ -121,6 +135,7 @@ def build_api(serving: OpenAIServing, api_key: str | None = None,
     stream_batching: how streamed responses are written (see StreamBatching); None writes each event."""
     app = FastAPI(title="shardserve", version=_version(), docs_url=None, redoc_url=None)
     _install_error_handlers(app)
+    install_openapi(app, serving.served_model_name, bearer_auth=api_key is not None)
     engine = serving.engine
 
     async def require_api_key(request: Request) -> None:
@@ -131,19 +146,19 @@ def build_api(serving: OpenAIServing, api_key: str | None = None,
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), api_key.encode()):
             raise AuthenticationError("Incorrect API key provided: send `Authorization: Bearer <key>`.")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=error_responses(401))
 
-    @app.get("/health")
+    @app.get("/health", **HEALTH_ROUTE)
     async def health() -> Response:
         if engine.is_running:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine loop is not running"}, status_code=503)
 
-    @app.get("/version")
+    @app.get("/version", response_model=VersionInfo)
     async def version() -> dict:
         return {"version": _version()}
 
-    @v1.get("/models")
+    @v1.get("/models", responses={200: {"model": ModelList}})
     async def models() -> Response:
         return Response(serving.models().model_dump_json(), media_type="application/json")
 
@@ -151,12 +166,12 @@ def build_api(serving: OpenAIServing, api_key: str | None = None,
     async def engine_stats() -> dict:
         return engine_stats_dict(engine)
 
-    @v1.post("/completions")
+    @v1.post("/completions", **COMPLETIONS_ROUTE)
     async def completions(request: Request) -> Response:
         body = parse_request(CompletionRequest, await read_json_body(request, max_request_body_bytes))
         return _respond(await serving.create_completion(body), stream_batching)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", **CHAT_COMPLETIONS_ROUTE)
     async def chat_completions(request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await read_json_body(request, max_request_body_bytes))
         return _respond(await serving.create_chat_completion(body), stream_batching)

@@ -29,6 +29,7 @@ from app.bench_report import (
     read_csvs,
     write_json,
 )
+from app.cli import flag_help
 
 
 class BenchArgs(BaseModel):
@@ -36,27 +37,36 @@ class BenchArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    base_url: str = "http://127.0.0.1:8000"
-    model: str | None = None  # None: the first id of GET /v1/models
-    endpoint: Literal["completions", "chat"] = "completions"
-    api_key: str | None = None
-    tokenizer: str | None = None  # None: --model if it is a local directory, else the model's `root` if local
-    prompt_tokens: int = Field(512, ge=1)
-    output_tokens: int = Field(128, ge=1)
-    shared_prefix_tokens: int = Field(0, ge=0)
-    num_prompts: list[int] = Field(default_factory=lambda: [100])  # one for all runs, or one per concurrency
-    concurrency: list[int] = Field(default_factory=lambda: [10])  # with --request-rate: the in-flight cap
-    request_rate: float | None = Field(None, gt=0)  # Poisson arrivals (req/s); inf = all at once
-    warmup: int = Field(0, ge=0)
-    seed: int = 0
-    temperature: float | None = Field(None, ge=0)  # None: not sent, the server's default applies (as vLLM's client)
-    ignore_eos: bool = True
-    timeout_s: float = Field(600.0, gt=0)
-    label: str = "shardserve"
-    csv: str | None = None
-    json_path: str | None = None
-    plot: str | None = None
-    progress: bool = True
+    base_url: str = Field("http://127.0.0.1:8000", description="the server's root or its /v1 URL")
+    model: str | None = Field(None, description="model id to request (default: the first of GET /v1/models)")
+    endpoint: Literal["completions", "chat"] = Field("completions", description=(
+        "/v1/completions with a text prompt, or /v1/chat/completions with one user message"))
+    api_key: str | None = Field(None, description="sent as 'Authorization: Bearer KEY' (default: none)")
+    tokenizer: str | None = Field(None, description=(
+        "local HF tokenizer directory that counts prompt tokens exactly (default: --model if it is a local "
+        "directory, else the model's `root` from /v1/models if local)"))
+    prompt_tokens: int = Field(512, ge=1, description="tokens in each prompt")
+    output_tokens: int = Field(128, ge=1, description="max_tokens of each request")
+    shared_prefix_tokens: int = Field(0, ge=0, description=(
+        "tokens that every prompt starts with (a shared system prompt: prefix-cache hits)"))
+    num_prompts: list[int] = Field(default_factory=lambda: [100], description=(
+        "requests per run: N for every run, or N1,N2,... one per concurrency"))
+    concurrency: list[int] = Field(default_factory=lambda: [10], description=(
+        "requests in flight: C or C1,C2,... for one run each; with --request-rate, the in-flight cap"))
+    request_rate: float | None = Field(None, gt=0, description=(
+        "Poisson arrivals in requests/s, inf for all at once (default: closed loop, a new request when one ends)"))
+    warmup: int = Field(0, ge=0, description="requests sent first and not measured")
+    seed: int = Field(0, description="seed of the prompts' random text and of the arrival times")
+    temperature: float | None = Field(None, ge=0, description=(
+        "sent with every request (e.g. 0 for greedy) (default: not sent, so the server's default applies, "
+        "as `vllm bench serve` does)"))
+    ignore_eos: bool = Field(True, description="every request generates all its output tokens (EOS does not end it)")
+    timeout_s: float = Field(600.0, gt=0, description="seconds one request may take")
+    label: str = Field("shardserve", description="the framework's name in tables and plot legends")
+    csv: str | None = Field(None, description="append one row per run to this CSV (default: none)")
+    json_path: str | None = Field(None, description="write summaries and per-request timings here (default: none)")
+    plot: str | None = Field(None, description="PNG: throughput and TTFT p95 against concurrency (default: none)")
+    progress: bool = Field(True, description="a progress bar per run on stderr")
 
     @model_validator(mode="after")
     def _check_lists(self) -> BenchArgs:
@@ -202,45 +212,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     defaults = BenchArgs()
-    parser.add_argument("--base-url", default=defaults.base_url, help="server root or its /v1 URL")
-    parser.add_argument("--model", help="model id to request (default: the first of GET /v1/models)")
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default=defaults.endpoint)
-    parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    parser.add_argument(
-        "--tokenizer", help="local HF tokenizer directory (default: --model if it is a directory)"
-    )
-    parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
-    parser.add_argument("--output-tokens", type=int, default=defaults.output_tokens)
-    parser.add_argument("--shared-prefix-tokens", type=int, default=0, help="tokens every prompt starts with")
-    parser.add_argument("--num-prompts", type=_int_list, default=defaults.num_prompts, help="N or N1,N2,...")
-    parser.add_argument("--concurrency", type=_int_list, default=defaults.concurrency, help="C or C1,C2,...")
-    parser.add_argument(
-        "--request-rate", type=float, help="Poisson arrivals, req/s (concurrency caps in-flight)"
-    )
-    parser.add_argument("--warmup", type=int, default=0, help="requests sent first and not measured")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        help="sent with every request (e.g. 0 for greedy); default: not sent, so the server's default applies, "
-        "as `vllm bench serve` does",
-    )
-    parser.add_argument(
-        "--no-ignore-eos", dest="ignore_eos", action="store_false", help="let EOS end requests"
-    )
-    parser.add_argument(
-        "--timeout", dest="timeout_s", type=float, default=defaults.timeout_s, help="per request, s"
-    )
-    parser.add_argument("--label", default=defaults.label, help="framework name in tables and plot legends")
-    parser.add_argument("--csv", help="append one row per run to this CSV")
-    parser.add_argument("--json", dest="json_path", help="write summaries and per-request timings here")
-    parser.add_argument("--plot", help="PNG: throughput and TTFT p95 against concurrency")
-    parser.add_argument("--no-progress", dest="progress", action="store_false")
+
+    def flag(*names: str, field: str, **kwargs) -> None:
+        parser.add_argument(*names, dest=field, help=flag_help(BenchArgs.model_fields[field]), **kwargs)
+
+    flag("--base-url", field="base_url", default=defaults.base_url)
+    flag("--model", field="model")
+    flag("--endpoint", field="endpoint", choices=["completions", "chat"], default=defaults.endpoint)
+    flag("--api-key", field="api_key")
+    flag("--tokenizer", field="tokenizer")
+    flag("--prompt-tokens", field="prompt_tokens", type=int, default=defaults.prompt_tokens)
+    flag("--output-tokens", field="output_tokens", type=int, default=defaults.output_tokens)
+    flag("--shared-prefix-tokens", field="shared_prefix_tokens", type=int, default=defaults.shared_prefix_tokens)
+    flag("--num-prompts", field="num_prompts", type=_int_list, default=defaults.num_prompts)
+    flag("--concurrency", field="concurrency", type=_int_list, default=defaults.concurrency)
+    flag("--request-rate", field="request_rate", type=float)
+    flag("--warmup", field="warmup", type=int, default=defaults.warmup)
+    flag("--seed", field="seed", type=int, default=defaults.seed)
+    flag("--temperature", field="temperature", type=float)
+    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                        help="let EOS end a request before its output tokens (default: every request generates "
+                             "all of them)")
+    flag("--timeout", field="timeout_s", type=float, default=defaults.timeout_s)
+    flag("--label", field="label", default=defaults.label)
+    flag("--csv", field="csv")
+    flag("--json", field="json_path")
+    flag("--plot", field="plot")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     parser.set_defaults(func=_bench_command, bench_command=None)
 
     nested = parser.add_subparsers(dest="bench_command", metavar="report")
     report = nested.add_parser("report", help="merge bench CSVs into one table and plot")
-    report.add_argument("csvs", nargs="+", metavar="CSV")
+    report.add_argument("csvs", nargs="+", metavar="CSV", help="CSV files that `shardserve bench --csv` wrote")
     report.add_argument("--plot", help="PNG: throughput and TTFT p95 against concurrency, one line per label")
     report.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     report.add_argument("--baseline", help="label to print the others' ratios against")

@@ -16,26 +16,23 @@ import types
 import typing
 from typing import Any
 
+from pydantic.fields import FieldInfo
+
 from app.config import ServeArgs
 
 logger = logging.getLogger("shardserve.cli")
 
 # Flags vLLM users expect that are spelled differently in ServeArgs.
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}
-FLAG_HELP = {
-    "model": "local Hugging Face model directory, or a .gguf file (default: the demo model, SmolLM2-135M-Instruct, "
-             "fetched once with pip)",
-    "host": "address to listen on (default 127.0.0.1: this machine only)",
-    "api_key": "require `Authorization: Bearer <key>` on every /v1 route",
-    "max_waiting_requests": "answer 429 with Retry-After once this many requests wait in a replica",
-    "num_replicas": "a fixed number of replicas (disables autoscaling)",
-    "target_queue_depth": "autoscaling target: engine queue depth (waiting + running) per replica",
-    "override_generation_config": "JSON sampling defaults for requests that leave them out, e.g. "
-                                  "'{\"temperature\": 0.2, \"top_p\": 0.9}' (default: neutral; the demo model's "
-                                  "own recommendation when --model is not given)",
-    "otlp_traces_endpoint": "trace every request: http://host:4318/v1/traces (OTLP/HTTP), grpc://host:4317 "
-                            "(OTLP/gRPC) or console; OTEL_* variables also apply (default: off)",
-}
+
+
+def flag_help(field: FieldInfo) -> str:
+    """A flag's help line: its settings field's description (configs and the CLI share it), and its default."""
+    text = field.description or ""
+    if "(default:" not in text:  # a description says itself what an unset value means
+        default = field.get_default(call_default_factory=True)
+        text += f" (default: {','.join(map(str, default)) if isinstance(default, list) else default})"
+    return text.replace("%", "%%")  # argparse formats help with %
 
 
 def _flag_type(annotation: Any) -> tuple[Any, list | None]:
@@ -55,7 +52,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per ServeArgs field; unset flags stay out of the namespace so ServeArgs' defaults apply."""
     for name, field in ServeArgs.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        help_text = FLAG_HELP.get(name, f"(default: {field.default})")
+        help_text = flag_help(field)
         kind, choices = _flag_type(field.annotation)
         names = [flag, *FLAG_ALIASES.get(name, [])]
         if kind is bool:
@@ -80,8 +77,11 @@ def _cluster_cpus(args: ServeArgs) -> int:
 
 def serve(args: ServeArgs) -> None:
     """Start a local Ray, run the app behind Serve's HTTP proxy, block until Ctrl-C or SIGTERM."""
+    from app.proxy_errors import use_openai_errors_in_serve_proxy
+
     # Set before Ray starts: every Ray port then listens on 127.0.0.1 only.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    use_openai_errors_in_serve_proxy()  # and Serve's own 429 and 503 come in OpenAI's shape
     import ray
     from ray import serve as ray_serve
 

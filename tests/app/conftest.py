@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from app.config import ServeArgs
+from app.proxy_errors import use_openai_errors_in_serve_proxy
 
 API_KEY = "test-key"
 SERVED_NAME = "tiny"
@@ -34,6 +35,7 @@ class ServeCluster:
 def serve_cluster():
     """Local Ray (every port on loopback) and Serve's HTTP proxy on a free 127.0.0.1 port."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    use_openai_errors_in_serve_proxy()  # as `shardserve serve` does
     import ray
     from ray import serve
 
