@@ -72,6 +72,9 @@ async def read_json_body(request: Request, limit: int) -> object:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidRequestError(f"We could not parse the JSON body of your request: {e}", param=None) from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise InvalidRequestError("We could not parse the JSON body of your request: it is nested too deeply.",
+                                  param=None) from None
 
 
 def parse_request(model: type[RequestModel], body: object) -> RequestModel:

@@ -202,6 +202,16 @@ async def test_malformed_json_is_400(client):
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+async def test_json_nested_deeper_than_the_parser_recurses_is_400_not_500(engine):
+    body = b'{"model": "fake-model", "prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    async with make_client(engine, max_request_body_bytes=100_000) as client:
+        r = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "nested too deeply" in r.json()["error"]["message"]
+        assert (await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+                ).status_code == 200
+
+
 async def test_body_over_the_limit_is_413(client):
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 4096})
     assert r.status_code == 413
