@@ -8,6 +8,7 @@ for both the CLI and `serve run configs/serve.yaml`.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from ray import serve
@@ -130,6 +131,11 @@ class LLMServer:
     def engine_stats(self) -> dict[str, Any]:
         """This replica's EngineStats as a dict (for observability and tests)."""
         return engine_stats_dict(self.engine)
+
+    def process_rss_bytes(self) -> int:
+        """This replica process's resident memory (for the reliability suite's memory bounds)."""
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def check_health(self) -> None:
         if not self.engine.is_running:
