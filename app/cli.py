@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import types
 import typing
 from typing import Any
@@ -22,6 +23,7 @@ from app.config import ServeArgs
 
 logger = logging.getLogger("shardserve.cli")
 
+APP_NAME = "shardserve"
 # Flags vLLM users expect that are spelled differently in ServeArgs.
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}
 
@@ -86,20 +88,31 @@ def serve(args: ServeArgs) -> None:
     from ray import serve as ray_serve
 
     from app.deployment import build_app, served_model_name
+    from app.drain import drain_application, start_coordinator
 
     scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from other machines"
     logger.info("binding HTTP to %s:%d (%s); Ray ports listen on 127.0.0.1 only", args.host, args.port, scope)
     # address="local": always a fresh cluster of our own, never one some other process started
     ray.init(address="local", include_dashboard=False, num_cpus=_cluster_cpus(args), logging_level=logging.WARNING)
-    stop = threading.Event()
+    stop, hurry = threading.Event(), threading.Event()  # the first signal drains, a second one stops at once
+
+    def on_signal(*_) -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own SIGTERM handler
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
+        coordinator = start_coordinator(APP_NAME)  # before the replicas start: they look it up (app/drain.py)
         ray_serve.start(http_options={"host": args.host, "port": args.port})
-        ray_serve.run(build_app(args), name="shardserve", route_prefix="/")
+        ray_serve.run(build_app(args), name=APP_NAME, route_prefix="/")
         logger.info("serving %r at http://%s:%d/v1 (Ctrl-C to stop)", served_model_name(args), args.host, args.port)
         stop.wait()
-        logger.info("shutting down")
+        began = time.monotonic()
+        logger.info("draining: new requests get 503, in-flight ones have %.0f s (Ctrl-C again to stop now)",
+                    args.shutdown_timeout)
+        pending = drain_application(coordinator, args.shutdown_timeout, hurry)
+        logger.info("drained in %.1f s%s; shutting down", time.monotonic() - began,
+                    f" ({len(pending)} replica(s) did not report)" if pending else "")
     finally:
         ray_serve.shutdown()
         ray.shutdown()

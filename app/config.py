@@ -69,6 +69,9 @@ class ServeArgs(BaseModel):
         "require `Authorization: Bearer <key>` on every /v1 route (default: no key)"))
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
         "the largest request body accepted; a larger one gets 413"))
+    shutdown_timeout: float = Field(30.0, ge=0, description=(
+        "seconds that in-flight requests may run on after SIGTERM or Ctrl-C; new requests get 503 meanwhile, "
+        "and the requests still running then end with finish_reason \"abort\""))
     # stream batching (app/api.py StreamBatching)
     stream_interval_ms: float = Field(50.0, ge=0, description=(
         "a stream writes at most once per this interval, joining the SSE events in between (0: each event "

@@ -17,6 +17,7 @@ from ray.serve import Application
 from app.api import StreamBatching, build_api, engine_stats_dict
 from app.autoscaling import QUEUE_DEPTH_METRIC, autoscaling_config
 from app.config import ServeArgs
+from app.drain import DrainGate, DrainState, ReplicaDrain
 from app.observability import ReplicaObservability
 from app.serving import OpenAIServing
 
@@ -25,6 +26,9 @@ logger = logging.getLogger("shardserve.deployment")
 DEMO_MODEL_NAME = "shardserve-demo"
 RETRY_AFTER_S = 1.0
 RAY_METRICS_INTERVAL_S = 5.0  # how often a replica copies its Prometheus metrics into Ray's node export
+# how often Serve's own drain of a stopping replica counts its ongoing requests (Serve's default, 2 s, is also
+# the least time an idle replica takes to stop)
+GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
 
 
 def served_model_name(args: ServeArgs) -> str:
@@ -77,6 +81,9 @@ def deployment_options(args: ServeArgs) -> dict[str, Any]:
         # The router's queue is bounded too; past it, Serve answers 429 with Retry-After.
         "max_queued_requests": max(1, args.max_waiting_requests),
         "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},
+        # Serve's own drain (scale-down, `serve run`): ongoing requests get --shutdown-timeout, as with the CLI
+        "graceful_shutdown_timeout_s": args.shutdown_timeout,
+        "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
         "ray_actor_options": {"num_cpus": args.cpus_per_rank, **({"num_gpus": 1} if _use_gpu(args) else {})},
         "placement_group_bundles": placement_group_bundles(args),
         "placement_group_strategy": "STRICT_PACK",
@@ -108,6 +115,9 @@ class LLMServer:
 
             model_dir = str(ensure_demo_model())  # SmolLM2-135M-Instruct, fetched once into the cache
         self.engine = AsyncLLMEngine(self.args.engine_config(model_dir))
+        # graceful shutdown under the CLI (app/drain.py); without its coordinator, `drain` is None
+        self.drain_state = DrainState()
+        self.drain = ReplicaDrain.attach(_app_name(), _replica_id(), self.drain_state, self.engine.abort_all)
         # tracing and /metrics: one TracerProvider and one Prometheus registry per replica (app/observability.py)
         self.observability = ReplicaObservability(self.engine, served_model_name(self.args), _replica_id(),
                                                   self.args.tensor_parallel_size, self.args.otlp_traces_endpoint,
@@ -117,11 +127,13 @@ class LLMServer:
         logger.info("replica ready: model %s served as %r", model_dir, self.serving.served_model_name)
 
     def __serve_build_asgi_app__(self):
-        return self.observability.install(build_api(self.serving, api_key=self.args.api_key,
-                                                    max_request_body_bytes=self.args.max_request_body_bytes,
-                                                    stream_batching=StreamBatching(
-                                                        self.args.stream_interval_ms / 1000,
-                                                        self.args.max_stream_writes_per_s)))
+        app = self.observability.install(build_api(self.serving, api_key=self.args.api_key,
+                                                   max_request_body_bytes=self.args.max_request_body_bytes,
+                                                   stream_batching=StreamBatching(
+                                                       self.args.stream_interval_ms / 1000,
+                                                       self.args.max_stream_writes_per_s)))
+        app.add_middleware(DrainGate, state=self.drain_state)
+        return app
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Queue depth for app/autoscaling.py: sequences waiting plus running in this replica's engine."""
@@ -142,6 +154,9 @@ class LLMServer:
             raise RuntimeError("the engine loop is not running")
 
     def __del__(self):
+        drain = getattr(self, "drain", None)
+        if drain is not None:
+            drain.detach()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
@@ -161,6 +176,14 @@ def _replica_id() -> str:
     """This replica's id as Serve names it (label `replica` of /metrics, attribute of every span)."""
     try:
         return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a Serve replica (local testing mode)
+        return "local"
+
+
+def _app_name() -> str:
+    """The Serve application this replica belongs to (its drain coordinator is named after it)."""
+    try:
+        return serve.get_replica_context().app_name
     except Exception:  # noqa: BLE001 - outside a Serve replica (local testing mode)
         return "local"
 

@@ -37,7 +37,8 @@ ERROR_DESCRIPTIONS = {
     413: "The body is larger than the server's --max-request-body-bytes.",
     429: "Too many requests are waiting: a replica's engine queue (--max-waiting-requests) or Ray Serve's "
          "router queue is full. Retry after `Retry-After` seconds.",
-    503: "The engine has stopped, or no replica can take the request now. Retry later.",
+    503: "The engine has stopped, the server is shutting down (`error.code` is `server_shutting_down`), or no "
+         "replica can take the request now. Retry after `Retry-After` seconds.",
 }
 RETRY_AFTER_HEADER = {
     "Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}},

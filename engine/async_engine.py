@@ -132,10 +132,13 @@ class _EngineLoop:
                     request.prompt = prompt if isinstance(prompt, str) else None
                 except InvalidRequestError as exc:
                     self.streams[request_id].put(exc)
-            else:
+            elif item[0] == "abort":
                 output = self.engine.abort_request(item[1])
                 if output is not None:
                     self._deliver(output)
+            else:  # "abort_all"
+                for request_id in list(self.engine.requests):
+                    self._deliver(self.engine.abort_request(request_id))
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         """A step's deltas, handed to each event loop in one callback (one wake-up per step, not one per
@@ -227,6 +230,11 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._engine_loop.inbox.append(("abort", request_id))
+        self._engine_loop.wakeup.set()
+
+    def abort_all(self) -> None:
+        """Abort every request sent so far (a drain's deadline): each stream ends with finish_reason "abort"."""
+        self._engine_loop.inbox.append(("abort_all",))
         self._engine_loop.wakeup.set()
 
     @property

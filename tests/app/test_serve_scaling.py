@@ -92,8 +92,8 @@ async def test_health_answers_while_the_engine_is_busy(served_tiny):
     assert health.status_code == 200
 
 
-def _listening_sockets_of_process_tree(root_pid: int) -> list[tuple[int, str, int]]:
-    """(pid, local address, port) of every listening TCP socket of root_pid and its descendants."""
+def _process_tree(root_pid: int) -> list[int]:
+    """root_pid and every process descended from it, read from /proc."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -106,6 +106,12 @@ def _listening_sockets_of_process_tree(root_pid: int) -> list[tuple[int, str, in
         pid = stack.pop()
         pids.append(pid)
         stack.extend(children.get(pid, []))
+    return pids
+
+
+def _listening_sockets_of_process_tree(root_pid: int) -> list[tuple[int, str, int]]:
+    """(pid, local address, port) of every listening TCP socket of root_pid and its descendants."""
+    pids = _process_tree(root_pid)
     inode_pid = {}
     for pid in pids:
         try:

@@ -98,6 +98,21 @@ async def test_explicit_abort_ends_the_stream_with_abort(async_engine):
     assert seen[-1].finished and seen[-1].outputs[-1].finish_reason == "abort"
 
 
+async def test_abort_all_ends_every_open_stream_with_abort_and_frees_their_blocks(async_engine):
+    idle_free = async_engine.stats().num_free_blocks
+    streams = [async_engine.generate([9 + i] * 20, greedy(500), f"drained-{i}") for i in range(3)]
+    firsts = await asyncio.gather(*(anext(s) for s in streams))
+    assert not any(first.finished for first in firsts)
+    async_engine.abort_all()
+    for first, stream in zip(firsts, streams, strict=True):
+        deltas = [first] + [delta async for delta in stream]
+        assert deltas[-1].finished and deltas[-1].outputs[-1].finish_reason == "abort"
+        assert sum(len(out.token_ids) for d in deltas for out in d.outputs) < 500
+    assert async_engine.stats().num_free_blocks == idle_free
+    tokens, _, _ = await collect(async_engine, "after-abort-all", [4, 5, 6], greedy(3))
+    assert len(tokens) == 3
+
+
 async def test_a_dying_step_loop_fails_every_stream_and_marks_the_engine_dead(tiny_llama_dir):
     engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
 
