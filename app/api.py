@@ -122,8 +122,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, e: EngineDeadError):
+        # Serve replaces this replica after its health check fails; a retry may reach another one
         return error_response(503, f"The engine has stopped: {e}", "service_unavailable_error",
-                              code="engine_dead")
+                              code="engine_dead", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception):

@@ -9,6 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.config import EngineConfig
 
 SERVE_CPU_BATCHED_TOKENS = 2048
+# Serve's defaults (10 s, 30 s) replace a replica whose engine died about 30 s later: at 1 s the dead replica
+# goes after about 3 s (Serve's threshold is 3 failures in a row), and a check costs one actor call
+HEALTH_CHECK_PERIOD_S = 1.0
+HEALTH_CHECK_TIMEOUT_S = 10.0
 SamplingDefault = Literal[
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
 ]
@@ -98,6 +102,13 @@ class ServeArgs(BaseModel):
         "router queue"))
     cpus_per_rank: float = Field(1.0, gt=0, description=(
         "logical CPUs that Ray reserves per rank (one placement-group bundle each)"))
+    # recovery: Serve replaces a replica after 3 failed health checks in a row (a dead engine fails at once)
+    health_check_period_s: float = Field(HEALTH_CHECK_PERIOD_S, gt=0, description=(
+        "seconds between Serve's health checks of a replica; a replica whose engine died is replaced after "
+        "3 failed checks in a row, so about 3 periods after the failure"))
+    health_check_timeout_s: float = Field(HEALTH_CHECK_TIMEOUT_S, gt=0, description=(
+        "a health check that has not answered within this many seconds counts as failed (a replica whose "
+        "event loop is stuck)"))
     # observability
     otlp_traces_endpoint: str | None = Field(None, description=(
         "trace every request: http://host:4318/v1/traces (OTLP/HTTP), grpc://host:4317 (OTLP/gRPC) or "

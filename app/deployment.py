@@ -87,7 +87,8 @@ def deployment_options(args: ServeArgs) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": args.cpus_per_rank, **({"num_gpus": 1} if _use_gpu(args) else {})},
         "placement_group_bundles": placement_group_bundles(args),
         "placement_group_strategy": "STRICT_PACK",
-        "health_check_period_s": 5.0,
+        "health_check_period_s": args.health_check_period_s,
+        "health_check_timeout_s": args.health_check_timeout_s,
     }
     if args.num_replicas is not None:
         options["num_replicas"] = args.num_replicas
@@ -150,8 +151,9 @@ class LLMServer:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def check_health(self) -> None:
+        """Serve's health check: fails from the moment the engine dies, so Serve replaces this replica."""
         if not self.engine.is_running:
-            raise RuntimeError("the engine loop is not running")
+            raise RuntimeError(f"the engine is not running: {self.engine.dead_reason}")
 
     def __del__(self):
         drain = getattr(self, "drain", None)

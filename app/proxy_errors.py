@@ -8,6 +8,10 @@ only the status and Retry-After. What the proxy does offer is a list of ASGI mid
 named by the environment variable RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH in the proxy's process
 (ray/serve/_private/http_util.py `configure_http_middlewares`). This module's middleware rewrites
 Serve's plain-text errors into `{"error": {...}}` and passes everything else through untouched.
+It also ends what a dead replica left open: when the replica's process dies, Serve's proxy stops without
+a word (a response not started becomes its bare 500, a stream is cut without its last chunk), so the
+middleware answers OpenAI's 503 with Retry-After, or ends the stream with an error event and [DONE]
+as the replica itself does when its engine dies.
 The variable must be set before Ray starts, so that the proxy inherits it: `shardserve serve` does
 that; with `ray start` / `serve run`, export it first (configs/serve.yaml).
 """
@@ -30,6 +34,10 @@ SERVE_ERRORS = {
     503: ("No replica can take the request now, retry later: ", "service_unavailable_error", "service_unavailable"),
     408: ("The request timed out: ", "timeout_error", "request_timeout"),
 }
+
+
+REPLICA_LOST = "The replica serving this request stopped before it finished; retry."
+REPLICA_LOST_RETRY_AFTER_S = 1
 
 
 def use_openai_errors_in_serve_proxy() -> None:
@@ -63,9 +71,15 @@ class OpenAIErrorsFromServe:
             return
         held: Message | None = None  # the start of a plain-text error, sent once its body is complete
         text = bytearray()
+        started: Message | None = None  # the response's start, as the app sent it
+        complete = False  # its last body message has gone out
 
         async def send_openai_errors(message: Message) -> None:
-            nonlocal held
+            nonlocal held, started, complete
+            if message["type"] == "http.response.start":
+                started = message
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
             if message["type"] == "http.response.start" and _is_plain_text_error(message):
                 held = message
                 return
@@ -83,10 +97,25 @@ class OpenAIErrorsFromServe:
             await send({"type": "http.response.body", "body": body})
 
         await self.app(scope, receive, send_openai_errors)
+        if started is None:  # the replica died before answering (a client that left gets nothing either way)
+            body = _replica_lost().encode()
+            await send({"type": "http.response.start", "status": 503, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(REPLICA_LOST_RETRY_AFTER_S).encode())]})
+            await send({"type": "http.response.body", "body": body})
+        elif not complete and _header(started, b"content-type").startswith(b"text/event-stream"):
+            events = f"data: {_replica_lost()}\n\ndata: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": events.encode()})
+
+
+def _replica_lost() -> str:
+    info = ErrorInfo(message=REPLICA_LOST, type="service_unavailable_error", code="replica_lost")
+    return ErrorResponse(error=info).model_dump_json()
 
 
 def _is_plain_text_error(start: Message) -> bool:
-    if start["status"] < 400:
-        return False
-    content_type = next((bytes(v) for k, v in start.get("headers", []) if bytes(k).lower() == b"content-type"), b"")
-    return content_type.startswith(b"text/plain")
+    return start["status"] >= 400 and _header(start, b"content-type").startswith(b"text/plain")
+
+
+def _header(start: Message, name: bytes) -> bytes:
+    return next((bytes(v) for k, v in start.get("headers", []) if bytes(k).lower() == name), b"")

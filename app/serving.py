@@ -33,7 +33,7 @@ from app.protocol import (
     UsageInfo,
 )
 from engine.config import SamplingParams
-from engine.errors import EngineOverloadedError, InvalidRequestError
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger("shardserve.api")
 
@@ -261,8 +261,7 @@ class OpenAIServing:
                 yield sse(chunk.model_dump_json())
             logger.info("%s: finished", request_id)
         except Exception as e:  # the response has started: report in-band, as OpenAI does
-            logger.exception("%s: failed mid-stream", request_id)
-            yield sse(ErrorResponse(error=ErrorInfo(message=str(e), type="InternalServerError")).model_dump_json())
+            yield _stream_error_event(request_id, e)
         yield SSE_DONE
 
     # -- /v1/chat/completions -----------------------------------------------------------------------
@@ -345,9 +344,19 @@ class OpenAIServing:
                 yield chunk([], usage=_usage([prompt], states))
             logger.info("%s: finished", request_id)
         except Exception as e:  # the response has started: report in-band, as OpenAI does
-            logger.exception("%s: failed mid-stream", request_id)
-            yield sse(ErrorResponse(error=ErrorInfo(message=str(e), type="InternalServerError")).model_dump_json())
+            yield _stream_error_event(request_id, e)
         yield SSE_DONE
+
+
+def _stream_error_event(request_id: str, e: Exception) -> str:
+    """The in-band error event of a stream that failed after it started (the status line has gone out)."""
+    if isinstance(e, EngineDeadError):  # the same type and code as the 503 a request gets before it starts
+        logger.error("%s: the engine died mid-stream: %s", request_id, e)
+        info = ErrorInfo(message=f"The engine has stopped: {e}", type="service_unavailable_error", code="engine_dead")
+    else:
+        logger.exception("%s: failed mid-stream", request_id)
+        info = ErrorInfo(message=str(e), type="InternalServerError")
+    return sse(ErrorResponse(error=info).model_dump_json())
 
 
 def _usage(prompts: Sequence[Prompt], states: Sequence[ChoiceState]) -> UsageInfo:

@@ -14,6 +14,12 @@ Lifecycle: the thread runs an `_EngineLoop`, which never refers to the `AsyncLLM
 hold, so that one can be garbage-collected; its `weakref.finalize` (run by `shutdown()`, leaving a
 `with` / `async with` block, garbage collection or interpreter exit) stops the loop, and the loop
 thread shuts the engine down (worker actors, placement group, swap thread) as it leaves.
+
+Failure: a step that raises (a dead worker, a device error) ends the loop; as it leaves it fails every
+open stream with EngineDeadError, and `generate` refuses new requests from then on. Opening a stream and
+that farewell take one lock, so a request that arrives while the loop dies is refused or failed, never
+left waiting. While idle the loop asks the executor every `IDLE_HEALTH_CHECK_S` whether its workers are
+alive, so a worker that dies between requests marks the engine dead without waiting for one.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 # How long shutdown waits for the loop thread to finish its step and release the engine.
 SHUTDOWN_TIMEOUT_S = 30.0
+# How often an idle loop checks that the executor's workers are alive (a local, non-blocking Ray call).
+IDLE_HEALTH_CHECK_S = 0.5
 
 
 class _Stream:
@@ -62,6 +70,9 @@ class _EngineLoop:
         self.streams: dict[str, _Stream] = {}
         self.error: BaseException | None = None
         self.stopped = False
+        # set, under `streams_lock`, once the loop has failed its open streams: no stream opens after it
+        self.closed = False
+        self.streams_lock = threading.Lock()
         self.engine: LLMEngine | None = None
         built = threading.Event()
         self.thread = threading.Thread(
@@ -72,6 +83,19 @@ class _EngineLoop:
         if self.engine is None:  # the build failed on the loop thread: raise it here, in the caller
             self.thread.join()
             raise self.error
+
+    @property
+    def death_reason(self) -> str:
+        return f"the engine loop died: {self.error!r}" if self.error is not None else "the engine was shut down"
+
+    def open_stream(self, request_id: str, stream: _Stream) -> None:
+        """Register a request's stream, unless the loop has already failed its streams (then it raises)."""
+        with self.streams_lock:
+            if self.closed:
+                raise EngineDeadError(self.death_reason)
+            if request_id in self.streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+            self.streams[request_id] = stream
 
     def stop(self) -> None:
         """Ask the loop to leave (it then releases the engine) and wait for it, unless called on it."""
@@ -102,7 +126,8 @@ class _EngineLoop:
             while not self.stopped:
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
-                    self.wakeup.wait()
+                    if not self.wakeup.wait(IDLE_HEALTH_CHECK_S):
+                        self.engine.check_health()  # raises when a worker died while nothing ran
                     self.wakeup.clear()
                     continue
                 self._deliver_all(self.engine.step())
@@ -112,9 +137,11 @@ class _EngineLoop:
 
     def _release(self) -> None:
         """End every stream still open, then shut the engine down, on this thread like everything else."""
-        reason = f"the engine loop died: {self.error!r}" if self.error is not None else "the engine was shut down"
-        for stream in list(self.streams.values()):
-            stream.put(EngineDeadError(reason))
+        with self.streams_lock:
+            self.closed = True
+            open_streams = list(self.streams.values())
+        for stream in open_streams:
+            stream.put(EngineDeadError(self.death_reason))
         try:
             self.engine.shutdown()
         except Exception:  # noqa: BLE001 — nobody is left to raise it to
@@ -192,7 +219,13 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         engine_loop = self._engine_loop
-        return engine_loop.thread.is_alive() and engine_loop.error is None and not engine_loop.stopped
+        return (engine_loop.thread.is_alive() and engine_loop.error is None and not engine_loop.stopped
+                and not engine_loop.closed)
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped serving (a step's exception, or shutdown); None while it runs."""
+        return None if self.is_running else self._engine_loop.death_reason
 
     async def generate(
         self,
@@ -204,12 +237,10 @@ class AsyncLLMEngine:
         """Stream deltas of one request; leaving the iteration early aborts it."""
         engine_loop = self._engine_loop
         if not self.is_running:
-            raise EngineDeadError(f"the engine loop is not running ({engine_loop.error or 'shut down'})")
+            raise EngineDeadError(engine_loop.death_reason)
         self.engine.validate_request(prompt_token_ids, sampling_params)
-        if request_id in engine_loop.streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         stream = _Stream(asyncio.get_running_loop())
-        engine_loop.streams[request_id] = stream
+        engine_loop.open_stream(request_id, stream)  # raises if the loop died since the check above
         engine_loop.inbox.append(("add", request_id, prompt if prompt is not None else prompt_token_ids,
                                   list(prompt_token_ids), sampling_params))
         engine_loop.wakeup.set()

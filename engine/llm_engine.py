@@ -237,6 +237,10 @@ class LLMEngine:
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
         )
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the executor lost a worker (cheap: the async engine calls it while idle)."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         """Release what the executor started (threads, worker actors, placement group); idempotent."""
         self.executor.shutdown()

@@ -214,6 +214,9 @@ class ModelRunner:
         """Block until every swap-out in flight finished (when nothing else can run); their tickets."""
         return self.swapper.wait_all() if self.swapper is not None else []
 
+    def check_health(self) -> None:
+        """Nothing to check: a single-process executor has no workers to lose (a failed step raises)."""
+
     def shutdown(self) -> None:
         """Stop the swap-out thread (after its copies in flight); the rest goes with the object."""
         if self.swapper is not None:

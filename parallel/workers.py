@@ -305,10 +305,23 @@ class TensorParallelExecutor:
             return self.runner.execute_model(step)
         except Exception as exc:  # any failure leaves the ranks out of step: the engine is done
             failure = self._worker_failure()
-            self._dead = f"tensor-parallel step failed: {_describe(failure if failure is not None else exc)}"
-            self._ranks.parallel = None  # out of step: a farewell on the groups could wait for ever
-            self.shutdown()
+            self._fail(f"tensor-parallel step failed: {_describe(failure if failure is not None else exc)}")
             raise EngineDeadError(self._dead) from exc
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a worker has died or left its loop (between steps; does not block)."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        ended, _ = ray.wait(self._ranks.loops, num_returns=1, timeout=0)
+        if ended:
+            failure = self._worker_failure()
+            self._fail(f"tensor-parallel worker lost: {_describe(failure or 'a worker left its loop')}")
+            raise EngineDeadError(self._dead)
+
+    def _fail(self, reason: str) -> None:
+        self._dead = reason
+        self._ranks.parallel = None  # out of step: a farewell on the groups could wait for ever
+        self.shutdown()
 
     @property
     def num_host_blocks(self) -> int:

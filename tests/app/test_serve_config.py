@@ -112,3 +112,10 @@ def test_sampling_defaults_are_the_flags_else_the_demo_models_else_neutral():
     assert default_sampling(cli_args("--model", "/models/x")) == {}
     with pytest.raises(ValueError, match="override_generation_config"):
         cli_args("--override-generation-config", '{"temprature": 0.3}')
+
+
+def test_health_check_flags_reach_serve_and_the_default_replaces_a_dead_replica_within_seconds():
+    options = deployment_options(cli_args("--health-check-period-s", "0.5", "--health-check-timeout-s", "4"))
+    assert (options["health_check_period_s"], options["health_check_timeout_s"]) == (0.5, 4.0)
+    # Serve takes a replica out after 3 failed checks in a row: at most ~2 s apart, that is within ~6 s
+    assert deployment_options(ServeArgs())["health_check_period_s"] <= 2
