@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 # Ray binds every port to 127.0.0.1 only when this is set before it starts.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: install demo-model run test bench lint lint-ops
+.PHONY: install demo-model run test stress bench lint lint-ops
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,7 +29,12 @@ run: install
 	$(VENV)/bin/shardserve serve --host 127.0.0.1 --port 8000
 
 test: install
-	$(PY) -m pytest -q -ra --durations=15
+	$(PY) -m pytest -q -ra --durations=15 -m "not stress"
+
+# The long versions of the chaos suite (tests/reliability/): faults repeated, with their figures (recovery
+# times and the like) printed at the end of the run.
+stress: install
+	$(PY) -m pytest -q -ra -m stress tests/reliability
 
 # Every figure in docs/BENCHMARKS.md (about 40 minutes on 2 cores, plus about an hour for the side by side
 # with vLLM): offline engine vs HF vs the forward-pass limit, the sampler alone, the serving load test

@@ -60,6 +60,16 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def serve_cluster():
+    """Local Ray (every port on loopback) and Serve's HTTP proxy on a free 127.0.0.1 port, once per session:
+    tests/app and tests/reliability share it (a second `ray.init` in one process would fail)."""
+    from tests.serve_cluster import local_serve_cluster
+
+    with local_serve_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The demo model's file: SmolLM2-135M-Instruct, Q4_1 GGUF (fetched once per machine; `make install` does it)."""
     from engine.demo_model import ensure_demo_model

@@ -1,53 +1,15 @@
-"""One local Ray + Serve per test session (127.0.0.1 only), the tiny model served through the real HTTP path."""
+"""The tiny model served through the real HTTP path, on the session's Serve cluster (tests/conftest.py)."""
 
 from __future__ import annotations
-
-import logging
-import os
-import socket
-from dataclasses import dataclass
 
 import pytest
 
 from app.config import ServeArgs
-from app.proxy_errors import use_openai_errors_in_serve_proxy
+from tests.serve_cluster import free_port  # noqa: F401 — tests import it from here
 
 API_KEY = "test-key"
 SERVED_NAME = "tiny"
 MAX_MODEL_LEN = 512
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class ServeCluster:
-    port: int
-
-    def url(self, route_prefix: str = "") -> str:
-        return f"http://127.0.0.1:{self.port}{route_prefix}"
-
-
-@pytest.fixture(scope="session")
-def serve_cluster():
-    """Local Ray (every port on loopback) and Serve's HTTP proxy on a free 127.0.0.1 port."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    use_openai_errors_in_serve_proxy()  # as `shardserve serve` does
-    import ray
-    from ray import serve
-
-    # address="local": a fresh cluster of our own even when other Ray clusters run on this machine
-    ray.init(address="local", include_dashboard=False, num_cpus=4, logging_level=logging.WARNING, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield ServeCluster(port)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def tiny_serve_args(model_dir, **overrides) -> ServeArgs:

@@ -1,0 +1,46 @@
+"""A local Ray with Serve's HTTP proxy on a free 127.0.0.1 port: the session's `serve_cluster` (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from app.proxy_errors import use_openai_errors_in_serve_proxy
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServeCluster:
+    port: int
+
+    def url(self, route_prefix: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}{route_prefix}"
+
+
+@contextmanager
+def local_serve_cluster(num_cpus: int = 4) -> Iterator[ServeCluster]:
+    """Start a local Ray (every port on loopback) and Serve; shut both down on leaving."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    use_openai_errors_in_serve_proxy()  # as `shardserve serve` does
+    import ray
+    from ray import serve
+
+    # address="local": a fresh cluster of our own even when other Ray clusters run on this machine
+    ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, logging_level=logging.WARNING,
+             log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield ServeCluster(port)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
