@@ -9,12 +9,16 @@ The build needs a C++ compiler and ninja (the `ninja` package is a dependency) a
 None and the torch references run instead; that is logged once.
 
 The build targets the machine it runs on (-march=native, AVX-512 where the CPU has it): the cache
-must not be shared between machines of different CPU families.
+must not be shared between machines of different CPU families. Each checkout builds under its own name
+(the extension's name carries a hash of the sources' folder): torch keeps one build per name and rebuilds
+it whenever the compile command changes, so two checkouts on one machine sharing a name rebuilt it
+(~30 s, ~50 s with the cores busy) every time the other had loaded it, in every new replica process.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -26,7 +30,8 @@ SOURCES = [
     Path(__file__).parent / "cpu" / name
     for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp", "sampling.cpp")
 ]
-EXTENSION_NAME = "shardserve_cpu_kernels"
+# one build per checkout: its folder's path, hashed, in the name
+EXTENSION_NAME = "shardserve_cpu_kernels_" + hashlib.sha256(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:12]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
