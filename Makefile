@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 
 # The native CPU kernels (kernels/cpu/) are compiled once here, not by the first engine that needs them.
 CPU_KERNELS := $(VENV)/.cpu-kernels-stamp
-$(CPU_KERNELS): $(STAMP) $(wildcard kernels/cpu/*)
+$(CPU_KERNELS): $(STAMP) $(wildcard kernels/cpu/*) kernels/cpu_native.py
 	$(PY) -m kernels.cpu_native
 	touch $(CPU_KERNELS)
 
