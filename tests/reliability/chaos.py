@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.app.test_serve_scaling import _process_tree
+
 # a probe that waits this long for an answer is a hang, not a slow answer
 PROBE_TIMEOUT_S = 30.0
 PROBE_INTERVAL_S = 0.1
@@ -65,17 +67,8 @@ def tp_worker_actors(replica: dict) -> list[dict]:
 
 def descendants_titled(root_pid: int, title_prefix: str) -> list[int]:
     """Pids under root_pid whose command line (a Ray worker's process title) starts with title_prefix."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, stack = [], list(children.get(root_pid, []))
-    while stack:
-        pid = stack.pop()
-        stack.extend(children.get(pid, []))
+    found = []
+    for pid in _process_tree(root_pid)[1:]:
         try:
             title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
