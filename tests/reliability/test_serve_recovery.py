@@ -91,13 +91,18 @@ def test_a_tp_worker_killed_mid_stream_fails_the_stream_at_once_and_serve_replac
         assert_503_with_retry_after(refused, "engine_dead")
 
         # a 200 can only come from a new replica: this one's engine is gone for good
-        seconds, answers = seconds_to_first_success(f"{base}/v1/completions", completion_body(SERVED_NAME, 4),
-                                                    killed_at[0], RECOVERY_DEADLINE_S)
-        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
-        figures.append(f"stream ended {end.seconds_after_fault:.2f} s after the kill; first success "
-                       f"{seconds:.1f} s after it ({len(answers)} refused probes before)")
+        record_recovery(base, end, killed_at[0], figures)
     finally:
         serve.delete(app)
+
+
+def record_recovery(base: str, end, killed_at: float, figures: list[str]) -> None:
+    """Wait for the first request through `base` that succeeds after the kill; /health is 200 again then."""
+    seconds, answers = seconds_to_first_success(f"{base}/v1/completions", completion_body(SERVED_NAME, 4),
+                                                killed_at, RECOVERY_DEADLINE_S)
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    figures.append(f"stream ended {end.seconds_after_fault:.2f} s after the kill; first success "
+                   f"{seconds:.1f} s after it ({len(answers)} failed probes before)")
 
 
 @pytest.mark.slow
@@ -125,11 +130,7 @@ def test_a_replica_killed_mid_stream_ends_the_stream_and_serve_replaces_the_repl
         assert (end.error["type"], end.error["code"]) == ("service_unavailable_error", "replica_lost"), end
         assert_503_with_retry_after(plain_answer, "replica_lost")
 
-        seconds, answers = seconds_to_first_success(f"{base}/v1/completions", completion_body(SERVED_NAME, 4),
-                                                    killed_at[0], RECOVERY_DEADLINE_S)
-        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
-        figures.append(f"stream ended {end.seconds_after_fault:.2f} s after the kill; first success "
-                       f"{seconds:.1f} s after it ({len(answers)} failed probes before)")
+        record_recovery(base, end, killed_at[0], figures)
     finally:
         serve.delete(app)
 
