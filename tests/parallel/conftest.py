@@ -19,7 +19,7 @@ ODD_VOCAB_SIZE = 1021
 def ray_session():
     """A local Ray for a test module, unless one is connected already (then it is reused, left up).
 
-    Module scope, not session: a session fixture elsewhere (tests/app's Serve cluster) may call
+    Module scope, not session: a session fixture elsewhere (the Serve cluster, tests/conftest.py's `serve_cluster`) may call
     `ray.init` after these tests, and finds no Ray left running. CPU bundles are logical: 8 CPUs
     hold a TP=4 engine and two TP=2.
     """
