@@ -28,7 +28,7 @@ from app.openapi import (
     install_openapi,
 )
 from app.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse, ModelList
-from app.serving import ModelNotFoundError, OpenAIServing
+from app.serving import ModelNotFoundError, OpenAIServing, engine_dead_error
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger("shardserve.api")
@@ -123,8 +123,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, e: EngineDeadError):
         # Serve replaces this replica after its health check fails; a retry may reach another one
-        return error_response(503, f"The engine has stopped: {e}", "service_unavailable_error",
-                              code="engine_dead", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return JSONResponse(ErrorResponse(error=engine_dead_error(e)).model_dump(), status_code=503,
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import typing
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from app.config import SamplingDefault
 from app.engine_streams import Prompt, start_generation
 from app.protocol import (
     AssistantMessage,
@@ -60,10 +62,10 @@ def sse(payload: str) -> str:
 
 SSE_DONE = sse("[DONE]")
 
-# Sampling fields a request may leave out, and what they mean then when the server sets no default.
+# Sampling fields a request may leave out, and what they mean then when the server sets no default:
+# the engine's own defaults.
 NEUTRAL_SAMPLING: dict[str, float] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0,
-    "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    name: SamplingParams.model_fields[name].default for name in typing.get_args(SamplingDefault)
 }
 
 
@@ -348,11 +350,16 @@ class OpenAIServing:
         yield SSE_DONE
 
 
+def engine_dead_error(e: EngineDeadError) -> ErrorInfo:
+    """What a client is told when the engine has died: as a 503's body, or as a stream's last event."""
+    return ErrorInfo(message=f"The engine has stopped: {e}", type="service_unavailable_error", code="engine_dead")
+
+
 def _stream_error_event(request_id: str, e: Exception) -> str:
     """The in-band error event of a stream that failed after it started (the status line has gone out)."""
-    if isinstance(e, EngineDeadError):  # the same type and code as the 503 a request gets before it starts
+    if isinstance(e, EngineDeadError):  # the same body as the 503 a request gets before it starts
         logger.error("%s: the engine died mid-stream: %s", request_id, e)
-        info = ErrorInfo(message=f"The engine has stopped: {e}", type="service_unavailable_error", code="engine_dead")
+        info = engine_dead_error(e)
     else:
         logger.exception("%s: failed mid-stream", request_id)
         info = ErrorInfo(message=str(e), type="InternalServerError")
