@@ -189,7 +189,7 @@ def gguf_checkpoint_tensors(
     """(GGUF name, Hugging Face name, float32 tensor in Hugging Face's layout) per tensor; a tensor with
     no Hugging Face counterpart keeps its GGUF name and is not read."""
     reader = open_gguf(file)
-    gguf_arch = metadata(reader).get("general.architecture")
+    gguf_arch = reader.fields["general.architecture"].contents()
     _check_tensor_types(reader, file)
     for tensor in reader.tensors:
         hf_name = hf_tensor_name(tensor.name)
