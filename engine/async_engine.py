@@ -36,7 +36,7 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("shardserve.engine")
 
 # How long shutdown waits for the loop thread to finish its step and release the engine.
 SHUTDOWN_TIMEOUT_S = 30.0

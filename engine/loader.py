@@ -18,7 +18,7 @@ from kernels.backend import KernelBackend
 from parallel.layers import CheckpointTensor, ShardShapeError
 from parallel.state import ParallelContext
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("shardserve.loader")
 
 # Checkpoint module name -> (our fused module name, shard_id). Everything else maps to itself.
 FUSED_MODULES: dict[str, tuple[str, str | int]] = {

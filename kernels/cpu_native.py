@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("shardserve.kernels")
 
 SOURCES = [
     Path(__file__).parent / "cpu" / name
