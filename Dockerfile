@@ -16,6 +16,7 @@ ENV HF_HUB_OFFLINE=1 \
 # .dockerignore admits only the package sources, pyproject.toml and configs/.
 COPY --chown=ray:users . .
 # Ray itself is already installed at the pinned version, which satisfies ray[serve]>=2.40,<3.
+# The server's extra only: the `bench` extra (load-test client, matplotlib) stays out of the image.
 RUN pip install ".[serve]" \
     && python -c "import app.config, engine.config, ray; print('ray', ray.__version__)"
 

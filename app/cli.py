@@ -118,12 +118,22 @@ def serve(args: ServeArgs) -> None:
         ray.shutdown()
 
 
-def _add_bench(subparsers) -> None:
+def _missing_bench_extra() -> str | None:
+    """Why `shardserve bench` cannot run here, or None: the bench package and its packages are the bench extra."""
     try:
-        from app import bench
-    except ImportError:
+        import bench.cli  # noqa: F401
+    except ModuleNotFoundError as missing:  # the server image installs shardserve[serve] only
+        return f"shardserve bench needs the bench extra: pip install 'shardserve[bench]' ({missing})"
+    return None
+
+
+def _add_bench(subparsers) -> None:
+    if reason := _missing_bench_extra():
+        subparsers.add_parser("bench", help=reason)  # listed; main() stops with the reason before parsing bench flags
         return
-    bench.add_parser(subparsers)
+    from bench.cli import add_parser
+
+    add_parser(subparsers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
         make_model_main(argv[1:])
         return 0
+    if argv[:1] == ["bench"] and (reason := _missing_bench_extra()):
+        raise SystemExit(reason)
     namespace = build_parser().parse_args(argv)
     if namespace.command == "serve":
         serve(serve_args_from(namespace))

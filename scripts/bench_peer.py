@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.bench import BenchArgs, run_bench
+from bench.run import BenchArgs, run_bench
 from engine.config import ModelConfig
 from kernels.backend import cpu_supports_bf16
 from scripts.bench_engine import make_prompts

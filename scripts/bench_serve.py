@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from app.bench import BenchArgs, run_bench
-from app.bench_report import append_csv, format_ratios, format_table, plot, read_csvs
+from bench.report import append_csv, format_ratios, format_table, plot, read_csvs
+from bench.run import BenchArgs, run_bench
 from kernels.backend import cpu_supports_bf16
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ Endpoint = Literal["completions", "chat"]
 
 
 @dataclass
-class RequestRecord:
+class RequestResult:
     """One streamed request as the client saw it; times are seconds from the run's start (perf_counter)."""
 
     index: int
@@ -128,8 +128,8 @@ class OpenAIStreamClient:
         return body
 
     async def send(
-        self, spec: RequestSpec, record: RequestRecord, clock: Callable[[], float]
-    ) -> RequestRecord:
+        self, spec: RequestSpec, record: RequestResult, clock: Callable[[], float]
+    ) -> RequestResult:
         """Stream one request into `record`; failures are written to record.error, never raised."""
         path = "/chat/completions" if self.endpoint == "chat" else "/completions"
         record.expected_prompt_tokens = spec.expected_prompt_tokens
@@ -149,7 +149,7 @@ class OpenAIStreamClient:
             record.error = "stream finished without any generated text"
         return record
 
-    async def _read_stream(self, response: httpx.Response, record: RequestRecord, clock: Callable[[], float]):
+    async def _read_stream(self, response: httpx.Response, record: RequestResult, clock: Callable[[], float]):
         saw_done = False
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
@@ -232,8 +232,8 @@ async def run_load(
     max_concurrency: int | None,
     request_rate: float | None = None,
     seed: int = 0,
-    on_done: Callable[[RequestRecord], None] | None = None,
-) -> tuple[list[RequestRecord], float]:
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> tuple[list[RequestResult], float]:
     """Send every spec, at most `max_concurrency` in flight, released at Poisson times when a rate is given.
 
     Returns the records in spec order and the wall time from the first send to the last response.
@@ -249,8 +249,8 @@ async def run_load(
     def clock() -> float:
         return time.perf_counter() - t0
 
-    async def one(index: int, spec: RequestSpec) -> RequestRecord:
-        record = RequestRecord(index=index, scheduled_s=float(offsets[index]))
+    async def one(index: int, spec: RequestSpec) -> RequestResult:
+        record = RequestResult(index=index, scheduled_s=float(offsets[index]))
         delay = record.scheduled_s - clock()
         if delay > 0:
             await asyncio.sleep(delay)

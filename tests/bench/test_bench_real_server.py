@@ -9,7 +9,7 @@ import sys
 import matplotlib.image
 import pytest
 
-from app.bench import BenchArgs, run_bench
+from bench.run import BenchArgs, run_bench
 from scripts.bench_serve import ServerProcess
 
 PROMPT_TOKENS = 48

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from app.bench_client import RequestRecord, error_message, normalize_base_url
-from app.bench_report import (
+from bench.client import RequestResult, error_message, normalize_base_url
+from bench.report import (
     RunSummary,
     append_csv,
     format_ratios,
@@ -34,7 +34,7 @@ SETTINGS = dict(
 
 def _record(index, start, chunks, prompt_tokens=10, completion_tokens=3, error=None):
     """A request sent at `start` whose content chunks arrived at the absolute times `chunks`."""
-    record = RequestRecord(
+    record = RequestResult(
         index=index,
         scheduled_s=start,
         start_s=start,

@@ -15,9 +15,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.bench import BenchArgs, main, run_bench
-from app.bench_client import poisson_arrival_offsets
-from app.bench_prompts import PromptBuilder, PromptLengthError, load_tokenizer
+from bench.cli import main
+from bench.client import poisson_arrival_offsets
+from bench.prompts import PromptBuilder, PromptLengthError, load_tokenizer
+from bench.run import BenchArgs, run_bench
 
 PROMPT_TOKENS = 32
 OUTPUT_TOKENS = 8

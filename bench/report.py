@@ -10,9 +10,10 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 
+import matplotlib
 import numpy as np
 
-from app.bench_client import RequestRecord
+from bench.client import RequestResult
 
 
 @dataclass
@@ -57,7 +58,7 @@ class RunSummary:
     errors: str  # "count x message" entries joined by " | "
 
     @classmethod
-    def from_records(cls, records: Sequence[RequestRecord], wall_s: float, settings: dict) -> RunSummary:
+    def from_records(cls, records: Sequence[RequestResult], wall_s: float, settings: dict) -> RunSummary:
         """Aggregate a run's request records; failed requests count as failures and add no tokens."""
         ok = [r for r in records if r.ok]
         ttfts_ms = [1000 * r.ttft_s for r in ok if r.ttft_s is not None]
@@ -123,7 +124,7 @@ class RunSummary:
 CSV_FIELDS = [f.name for f in fields(RunSummary)]
 
 
-def summarize_errors(records: Iterable[RequestRecord], usage_too: bool = True) -> str:
+def summarize_errors(records: Iterable[RequestResult], usage_too: bool = True) -> str:
     """Failures and usage mismatches, grouped by message, most frequent first: "3 x HTTP 503: busy | ..."."""
     messages = Counter(r.error for r in records if r.error)
     if usage_too:
@@ -230,7 +231,7 @@ def read_csvs(paths: Sequence[str]) -> list[RunSummary]:
 
 
 def write_json(
-    path: str, summaries: Sequence[RunSummary], records: Sequence[Sequence[RequestRecord]]
+    path: str, summaries: Sequence[RunSummary], records: Sequence[Sequence[RequestResult]]
 ) -> None:
     """Summaries plus each request's timings (ttft, latency, tokens, error), one entry per run."""
     runs = []
@@ -260,10 +261,8 @@ def _json_safe(d: dict) -> dict:
 
 def plot(path: str, summaries: Sequence[RunSummary], title: str | None = None) -> None:
     """Output throughput and TTFT p95 against concurrency (or request rate), one line per label."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt  # here, not at the top: it is slow to import
 
     by_load = _mean_by(summaries)
     rate_mode = all(s.request_rate for s in summaries)
