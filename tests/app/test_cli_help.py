@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from app.bench import BenchArgs
+from bench.run import BenchArgs
 from app.cli import build_parser
 from app.config import ServeArgs
 
