@@ -30,11 +30,13 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput
+from engine.sequence import Request
 
 logger = logging.getLogger("shardserve.engine")
 
@@ -42,6 +44,25 @@ logger = logging.getLogger("shardserve.engine")
 SHUTDOWN_TIMEOUT_S = 30.0
 # How often an idle loop checks that the executor's workers are alive (a local, non-blocking Ray call).
 IDLE_HEALTH_CHECK_S = 0.5
+
+
+# What callers put in the loop's inbox (any thread); the loop thread applies them before its next step.
+@dataclass(frozen=True)
+class AddRequest:
+    request: Request  # made (and validated) by LLMEngine.make_request in the caller's thread
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    pass
+
+
+InboxMessage = AddRequest | AbortRequest | AbortAll
 
 
 class _Stream:
@@ -65,7 +86,7 @@ class _EngineLoop:
     """The loop thread's side: the engine it builds and steps, the inbox it drains, the streams it feeds."""
 
     def __init__(self, config: EngineConfig):
-        self.inbox: deque[tuple] = deque()
+        self.inbox: deque[InboxMessage] = deque()
         self.wakeup = threading.Event()
         self.streams: dict[str, _Stream] = {}
         self.error: BaseException | None = None
@@ -149,21 +170,20 @@ class _EngineLoop:
 
     def _drain_inbox(self) -> None:
         while self.inbox:
-            item = self.inbox.popleft()
-            if item[0] == "add":
-                _, request_id, prompt, token_ids, params = item
+            message = self.inbox.popleft()
+            if isinstance(message, AddRequest):
+                request_id = message.request.request_id
                 if request_id not in self.streams:
                     continue  # the client left before the request reached the loop
                 try:
-                    request = self.engine.add_request(request_id, token_ids, params)
-                    request.prompt = prompt if isinstance(prompt, str) else None
-                except InvalidRequestError as exc:
+                    self.engine.add(message.request)
+                except InvalidRequestError as exc:  # an id still held by a request whose abort is queued
                     self.streams[request_id].put(exc)
-            elif item[0] == "abort":
-                output = self.engine.abort_request(item[1])
+            elif isinstance(message, AbortRequest):
+                output = self.engine.abort_request(message.request_id)
                 if output is not None:
                     self._deliver(output)
-            else:  # "abort_all"
+            else:  # AbortAll
                 for request_id in list(self.engine.requests):
                     self._deliver(self.engine.abort_request(request_id))
 
@@ -238,11 +258,11 @@ class AsyncLLMEngine:
         engine_loop = self._engine_loop
         if not self.is_running:
             raise EngineDeadError(engine_loop.death_reason)
-        self.engine.validate_request(prompt_token_ids, sampling_params)
+        request = self.engine.make_request(request_id, prompt if prompt is not None else prompt_token_ids,
+                                           sampling_params, prompt_token_ids=list(prompt_token_ids))
         stream = _Stream(asyncio.get_running_loop())
         engine_loop.open_stream(request_id, stream)  # raises if the loop died since the check above
-        engine_loop.inbox.append(("add", request_id, prompt if prompt is not None else prompt_token_ids,
-                                  list(prompt_token_ids), sampling_params))
+        engine_loop.inbox.append(AddRequest(request))
         engine_loop.wakeup.set()
         finished = False
         try:
@@ -260,12 +280,12 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._engine_loop.inbox.append(("abort", request_id))
+        self._engine_loop.inbox.append(AbortRequest(request_id))
         self._engine_loop.wakeup.set()
 
     def abort_all(self) -> None:
         """Abort every request sent so far (a drain's deadline): each stream ends with finish_reason "abort"."""
-        self._engine_loop.inbox.append(("abort_all",))
+        self._engine_loop.inbox.append(AbortAll())
         self._engine_loop.wakeup.set()
 
     @property
@@ -275,7 +295,7 @@ class AsyncLLMEngine:
 
     def stats(self) -> EngineStats:
         stats = self.engine.stats()
-        stats.num_waiting += sum(1 for item in list(self._engine_loop.inbox) if item[0] == "add")
+        stats.num_waiting += sum(1 for message in list(self._engine_loop.inbox) if isinstance(message, AddRequest))
         return stats
 
     def shutdown(self) -> None:

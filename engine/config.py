@@ -180,8 +180,8 @@ class EngineConfig(BaseModel):
             return torch.bfloat16
         return torch.float32
 
-    def resolve(self, model_config: ModelConfig) -> ResolvedLimits:
-        """Check this config against the model and fill in the limits derived from it."""
+    def resolve(self, model_config: ModelConfig) -> int:
+        """Check this config against the model; returns the context length it serves (max_model_len)."""
         tp = self.tensor_parallel_size
         if model_config.num_attention_heads % tp:
             raise ValueError(
@@ -204,11 +204,7 @@ class EngineConfig(BaseModel):
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be at least max_model_len ({max_model_len})"
             )
-        return ResolvedLimits(max_model_len=max_model_len)
-
-
-class ResolvedLimits(BaseModel):
-    max_model_len: int
+        return max_model_len
 
 
 class SamplingParams(BaseModel):
@@ -217,7 +213,7 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the rest of the context (resolved when the engine takes the request)
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -244,7 +240,7 @@ class SamplingParams(BaseModel):
     def _check(self) -> SamplingParams:
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, f"min_tokens must be at least 0, got {self.min_tokens}"),
             (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),

@@ -1,4 +1,4 @@
-"""The engine: `step()` is schedule, run the model, then process what it produced.
+"""The engine: `step()` is schedule, run the model and sample, then the scheduler's update; then deltas.
 
 `LLMEngine` is synchronous and single-threaded; `LLM` wraps it for offline batches and
 `AsyncLLMEngine` (engine/async_engine.py) drives it from a background thread for serving.
@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, SamplingParams
 from engine.detokenizer import Detokenizer
 from engine.errors import InvalidRequestError
-from engine.model_runner import ModelRunner, prepare_step
+from engine.executor import Executor, make_executor
+from engine.model_runner import prepare_step
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampler import sample
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Request, Sequence
+from engine.scheduler import Scheduler
+from engine.sequence import Request
+from engine.stopping import StopChecker
+from engine.validation import check_request
 from kernels.backend import get_backend
 
 RECENT_STEPS = 4096  # steps remembered for metrics between two scrapes
@@ -30,9 +34,9 @@ class LLMEngine:
 
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
-        self.max_model_len = config.resolve(self.model_config).max_model_len
+        self.max_model_len = config.resolve(self.model_config)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.executor = self._make_executor()
+        self.executor: Executor = make_executor(config, self.model_config, self.max_model_len)
         num_blocks = self.executor.num_blocks
         if num_blocks * config.block_size < self.max_model_len:
             self.shutdown()  # a tensor-parallel executor holds worker actors and a placement group
@@ -46,53 +50,49 @@ class LLMEngine:
             config.block_size,
             config.watermark,
             enable_prefix_caching=config.enable_prefix_caching,
-            # 0 (swap preemption falls back to recompute) for an executor without a host pool
-            num_host_blocks=getattr(self.executor, "num_host_blocks", 0),
+            num_host_blocks=self.executor.num_host_blocks,  # 0: swap preemption falls back to recompute
         )
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.detokenizer = Detokenizer(self.tokenizer)
-        # rank 0's logits are sampled where they were computed, by that device's fused sampler
-        self.sampling_backend = get_backend(config.kernel_backend, config.resolved_device().type)
         eos = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
-        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.scheduler = Scheduler(
+            config, self.block_manager, StopChecker(tuple(eos), self.max_model_len, self.detokenizer)
+        )
+        # rank 0's logits are sampled where they were computed, by that device's fused sampler
+        self.sampling_backend = get_backend(config.kernel_backend, config.resolved_device().type)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_mixed_steps = 0  # steps where a prefill chunk shared the batch with decodes
         # (step number, tokens computed) of the latest steps: app/metrics.py's tokens-per-step histogram
         self.recent_steps: deque[tuple[int, int]] = deque(maxlen=RECENT_STEPS)
 
-    def _make_executor(self):
-        if self.config.tensor_parallel_size == 1:
-            return ModelRunner(self.config, self.model_config, max_model_len=self.max_model_len)
-        from parallel.workers import TensorParallelExecutor
-
-        return TensorParallelExecutor(self.config, self.model_config, max_model_len=self.max_model_len)
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end a sequence (the stop checker's; the sampler holds them back before min_tokens)."""
+        return self.scheduler.stop_checker.eos_token_ids
 
     # ---- requests -------------------------------------------------------------------------
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError, naming the limit, for a request that cannot be served."""
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty: send at least one token", param="prompt")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt"
-            )
-        if num_prompt + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, {params.max_tokens} in "
-                f"the completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens",
-            )
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> Request:
+        """Check a request against the model's limits and build it: the one place a request is validated
+        (InvalidRequestError names the rule and the field). A text prompt is tokenized unless its token ids
+        are given; max_tokens None means the rest of the context."""
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is None:
+            prompt_token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        params = check_request(prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size)
+        return Request(request_id, text, prompt_token_ids, params, arrival_time)
 
     def add_request(
         self,
@@ -101,16 +101,17 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> Request:
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_request(token_ids, params)
-        request = Request(request_id, text, token_ids, params, arrival_time)
-        self.requests[request_id] = request
+        request = self.make_request(request_id, prompt, params, arrival_time)
+        self.add(request)
+        return request
+
+    def add(self, request: Request) -> None:
+        """Queue a request made by `make_request`."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+        self.requests[request.request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
-        return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; returns its final delta."""
@@ -129,8 +130,9 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule one batch, run it, sample, and return a delta for every request that advanced."""
-        self._release_swapped_out(getattr(self.executor, "poll_swap_outs", list)())
+        """Schedule one batch, run it, sample, let the scheduler update its sequences, and return a delta
+        for every request that advanced."""
+        self._release_swapped_out(self.executor.poll_swap_outs())
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if sched.has_swaps:  # e.g. the only running sequence swapped itself out
@@ -143,50 +145,24 @@ class LLMEngine:
             self.num_mixed_steps += 1
         self.recent_steps.append((self.num_steps, sched.num_batched_tokens))
         logits = self.executor.execute_model(prepare_step(sched, self.config.block_size))
-        return self._process(sched, logits)
+        sampled = (
+            sample(logits, sched.sampled_seqs, self.eos_token_ids, self.sampling_backend) if sched.sampled_seqs else []
+        )
+        advanced = self.scheduler.update_from_output(sched, sampled)
+        return self._deltas(dict.fromkeys(seq.request for seq in advanced))
 
     def _release_swapped_out(self, tickets: list[int]) -> None:
         for ticket in tickets:
             self.block_manager.complete_swap_out(ticket)
 
-    def _process(self, sched: SchedulerOutput, logits) -> list[RequestOutput]:
-        to_sample: list[Sequence] = []
-        touched: dict[str, Request] = {}
-        for chunk in sched.chunks:
-            if chunk.completes_sequence:
-                to_sample.append(chunk.seq)
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-        if to_sample:
-            now = time.time()
-            for seq, token in zip(to_sample, sample(logits, to_sample, self.eos_token_ids, self.sampling_backend)):
-                seq.append_token(token.token_id, token.logprobs)
-                request = seq.request
-                if request.metrics.first_token_time is None:
-                    request.metrics.first_token_time = now
-                self._check_stop(seq, token.token_id)
-                touched[request.request_id] = request
+    def _deltas(self, requests: Iterable[Request]) -> list[RequestOutput]:
         outputs = []
-        for request in touched.values():
+        for request in requests:
             if request.is_finished:
                 request.metrics.finished_time = time.time()
                 del self.requests[request.request_id]
             outputs.append(self._delta(request))
         return outputs
-
-    def _check_stop(self, seq: Sequence, token_id: int) -> None:
-        params = seq.sampling_params
-        may_stop = seq.num_output_tokens >= params.min_tokens
-        if may_stop and token_id in params.stop_token_ids:
-            self.scheduler.finish(seq, "stop", token_id)
-            return
-        if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
-            self.scheduler.finish(seq, "stop")
-            return
-        stop_string = self.detokenizer.append_token(seq)
-        if stop_string is not None and may_stop:
-            self.scheduler.finish(seq, "stop", stop_string)
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.scheduler.finish(seq, "length")
 
     def _delta(self, request: Request) -> RequestOutput:
         outputs = []
@@ -250,7 +226,7 @@ class LLM:
     """Offline batch generation: `LLM(model=dir).generate(prompts, SamplingParams(...))`.
 
     `shutdown()`, leaving a `with LLM(...) as llm:` block, dropping the last reference, or the
-    interpreter's exit releases what it started (the executor's finalizer: parallel/workers.py).
+    interpreter's exit releases what it started (the executor's finalizer: engine/executor/tensor_parallel.py).
     """
 
     def __init__(self, model: str, **engine_args):

@@ -17,7 +17,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from kernels.backend import get_backend
 from parallel.comm import min_over_ranks
-from parallel.layers import pack_weights_for_cpu
+from parallel.layers import pack_linear_weights
 from parallel.state import ParallelContext
 
 _CPU_DEFAULT_KV_GB = 2.0
@@ -147,8 +147,7 @@ class ModelRunner:
         self.model = load_model(
             config.model, model_config, self.dtype, self.device, self.parallel, self.backend
         )
-        if self.backend.name == "cpu":  # the native CPU path: oneDNN-packed weights too
-            pack_weights_for_cpu(self.model)
+        pack_linear_weights(self.model, self.backend.pack_linear_weight)  # oneDNN's layout on the native CPU path
         num_blocks = num_blocks or self.profile_num_blocks(max_model_len or model_config.max_position_embeddings)
         # block ids are shared by every rank (one block manager): all hold the smallest rank's count
         self.num_blocks = min_over_ranks(num_blocks, self.parallel)
@@ -213,9 +212,6 @@ class ModelRunner:
     def wait_swap_outs(self) -> list[int]:
         """Block until every swap-out in flight finished (when nothing else can run); their tickets."""
         return self.swapper.wait_all() if self.swapper is not None else []
-
-    def check_health(self) -> None:
-        """Nothing to check: a single-process executor has no workers to lose (a failed step raises)."""
 
     def shutdown(self) -> None:
         """Stop the swap-out thread (after its copies in flight); the rest goes with the object."""

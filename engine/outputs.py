@@ -67,4 +67,3 @@ class EngineStats:
     num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)  # "recompute" / "swap" -> count
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0  # of those, tokens whose KV was already cached
-    extra: dict = field(default_factory=dict)

@@ -11,6 +11,10 @@ is full). SWAPPED sequences come back, without recomputing, before any new promp
 
 With prefix caching, a sequence leaving WAITING starts with every cached block of its longest
 cached prefix: those tokens count as computed and its prefill starts after them.
+
+A step is `schedule()` -> the executor's forward pass and the sampler -> `update_from_output()`: the
+scheduler owns each sequence's progress, so it advances the computed tokens, appends the sampled ones
+and finishes the sequences that stop (engine/stopping.py).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.sampler import SampledToken
 from engine.sequence import Sequence, SequenceStatus
+from engine.stopping import StopChecker
 
 
 @dataclass
@@ -46,6 +52,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     swap_out_ticket: int | None = None  # names this step's swap-outs when the runner reports them done
+    # sequences whose every token is computed after this step, in batch order (decodes, then prefills):
+    # each gets one sampled token, from the logits of its chunk's last position
+    sampled_seqs: list[Sequence] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -66,12 +75,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, stop_checker: StopChecker):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.chunked_prefill = config.enable_chunked_prefill
         self.preemption_mode = config.preemption_mode
         self.block_manager = block_manager
+        self.stop_checker = stop_checker
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.swapped: deque[Sequence] = deque()  # swapped in from the front
@@ -172,7 +182,26 @@ class Scheduler:
                 out.prefills.append(chunk)
         for chunk in out.prefills:
             chunk.seq.request.metrics.prefill_chunks.append((now, chunk.num_tokens, bool(out.decodes)))
+        out.sampled_seqs = [chunk.seq for chunk in out.chunks if chunk.completes_sequence]
         return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[Sequence]:
+        """After the step ran: advance every chunk's computed tokens, append each sampled token to its
+        sequence (`sampled` follows `out.sampled_seqs`) and finish those that stop. Returns the sequences
+        that got a token."""
+        if len(sampled) != len(out.sampled_seqs):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(out.sampled_seqs)} sequences")
+        for chunk in out.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+        now = time.time()
+        for seq, token in zip(out.sampled_seqs, sampled):
+            seq.append_token(token.token_id, token.logprobs)
+            if seq.request.metrics.first_token_time is None:
+                seq.request.metrics.first_token_time = now
+            stop = self.stop_checker.check(seq, token.token_id)
+            if stop is not None:
+                self.finish(seq, *stop)
+        return out.sampled_seqs
 
     def _admit(self, seq: Sequence, now: float) -> None:
         metrics = seq.request.metrics

@@ -22,6 +22,7 @@ from kernels import cpu_native
 from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_decode_attention_torch, paged_prefill_attention_torch
 from kernels.cache import write_kv_cache_torch
+from kernels.linear import no_packing, pack_for_onednn
 from kernels.norm import rms_norm_torch
 from kernels.rotary import rotary_embedding_torch
 from kernels.sampling import sample_tokens_torch
@@ -37,6 +38,8 @@ class KernelBackend:
     rotary_embedding: Callable
     silu_and_mul: Callable
     sample_tokens: Callable
+    # weight [out, in] -> a PackedLinearWeight the linear layers multiply with instead, or None (kernels/linear.py)
+    pack_linear_weight: Callable = no_packing
 
 
 TORCH = KernelBackend(
@@ -137,6 +140,7 @@ def _native_cpu_backend() -> KernelBackend | None:
     return dataclasses.replace(
         TORCH,
         name="cpu",
+        pack_linear_weight=pack_for_onednn,
         sample_tokens=sample_tokens,
         paged_decode_attention=paged_decode_attention,
         paged_prefill_attention=paged_prefill_attention,

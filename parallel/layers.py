@@ -12,12 +12,14 @@ more ranks than KV heads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.linear import PackedLinearWeight, linear
 from parallel.comm import all_gather, all_reduce
 from parallel.state import ParallelContext
 
@@ -70,31 +72,24 @@ def _split_evenly(size: int, world_size: int, what: str) -> int:
 
 
 def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ bias) with the layer's weight: its oneDNN pre-packed copy where it has one."""
-    if layer.packed_weight is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
-    return F.linear(x, layer.weight, bias)
+    """x W^T (+ bias) with the layer's weight, or the packed copy its kernel backend gave it."""
+    return linear(x, layer.weight, bias, layer.packed_weight)
 
 
-def pack_weights_for_cpu(model: nn.Module) -> int:
-    """Give every linear layer (and the LM head) oneDNN's pre-packed copy of its CPU weight.
-
-    Unpacked, each F.linear call reorders the weight into oneDNN's blocked layout before it
-    multiplies; packed once here, a bench-model decode step's matrix products run 1.3-1.7x
-    faster at batch 1-50 (docs/BENCHMARKS.md, "Kernels"). bfloat16 results are bit-identical;
-    float32's differ in the last bits (another summation order). The dense weight of a linear layer
-    is then released (not the LM head's, which a tied embedding may share). Returns the layers packed.
-    """
+def pack_linear_weights(model: nn.Module, pack: Callable[[torch.Tensor], PackedLinearWeight | None]) -> int:
+    """Give every linear layer (and the LM head) the packed copy of its weight that `pack` (the kernel
+    backend's `pack_linear_weight`) makes, if it makes one. A packed linear layer's dense weight is then
+    released (not the LM head's, which a tied embedding may share). Returns the layers packed."""
     count = 0
     for module in model.modules():
         if not isinstance(module, (_OutputShardedLinear, RowParallelLinear, ParallelLMHead)):
             continue
-        weight = module.weight
-        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        packed = pack(module.weight)
+        if packed is None:
             continue
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        module.packed_weight = packed
         if not isinstance(module, ParallelLMHead):
-            weight.data = torch.empty(0, dtype=weight.dtype)
+            module.weight.data = torch.empty(0, dtype=module.weight.dtype)
         count += 1
     return count
 
@@ -106,7 +101,7 @@ def weight_bytes(model: nn.Module) -> int:
     for module in model.modules():
         packed = getattr(module, "packed_weight", None)
         if packed is not None and module.weight.numel() == 0:
-            total += packed.numel() * packed.element_size()
+            total += packed.nbytes
     return total
 
 
@@ -119,7 +114,7 @@ class _OutputShardedLinear(nn.Module):
         self.out_per_rank = out_per_rank
         self.weight = _new_parameter((out_per_rank, input_size), dtype, self.weight_loader)
         self.bias = _new_parameter((out_per_rank,), dtype, self.weight_loader) if bias else None
-        self.packed_weight: torch.Tensor | None = None  # see pack_weights_for_cpu
+        self.packed_weight: PackedLinearWeight | None = None  # see pack_linear_weights
 
     def _load_rows(
         self,
@@ -276,7 +271,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _split_evenly(input_size, parallel.world_size, "input size")
         self.weight = _new_parameter((output_size, self.in_per_rank), dtype, self.weight_loader)
         self.bias = _new_parameter((output_size,), dtype, self.weight_loader) if bias else None
-        self.packed_weight: torch.Tensor | None = None  # see pack_weights_for_cpu
+        self.packed_weight: PackedLinearWeight | None = None  # see pack_linear_weights
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id=None) -> None:
         if param is self.bias:
@@ -336,7 +331,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection to vocabulary logits, sharded like VocabParallelEmbedding (so a tied
     head can share the embedding's shard). forward: hidden -> logits over the full vocabulary."""
 
-    packed_weight: torch.Tensor | None = None  # see pack_weights_for_cpu
+    packed_weight: PackedLinearWeight | None = None  # see pack_linear_weights
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab_size]
         local_logits = _matmul(self, hidden, None)  # [n, vocab_per_rank]

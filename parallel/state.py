@@ -38,10 +38,6 @@ class ParallelContext:
     cpu_group: Any = None  # gloo ProcessGroup for step metadata; None: use `group`
 
     @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
-    @property
     def metadata_group(self) -> Any:
         return self.cpu_group if self.cpu_group is not None else self.group
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import TORCH, get_backend
+from kernels.linear import pack_for_onednn
 from kernels.rotary import rope_cos_sin_cache
 from scripts.doc_blocks import rewrite_block, timing_body
 
@@ -91,16 +92,13 @@ def cases(generator: torch.Generator):
     # a decode step's matrix products: 8 layers' QKV, O, gate/up, down, and the LM head
     shapes = [(1024, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * 8
     weights = [torch.randn(s, generator=generator).to(DTYPE) * 0.02 for s in [*shapes, (32000, HIDDEN)]]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    packed = [pack_for_onednn(w) for w in weights]
     for tokens in (1, 10, 50):
         inputs = {n: torch.randn(tokens, n, generator=generator).to(DTYPE) for n in (HIDDEN, INTERMEDIATE)}
         yield (
             f"a decode step's linears (8 layers + LM head), batch {tokens}",
             lambda xs=inputs: [F.linear(xs[w.shape[1]], w) for w in weights],
-            lambda xs=inputs: [
-                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                for w, p in zip(weights, packed, strict=True)
-            ],
+            lambda xs=inputs: [p.matmul(xs[w.shape[1]], None) for w, p in zip(weights, packed, strict=True)],
         )
 
 

@@ -1,10 +1,17 @@
-"""Scheduler tests' stand-in for a forward pass (shared by the scheduler, prefix-cache and swap tests)."""
+"""The scheduler tests' forward pass: the real Scheduler, with every sampled token fixed (no model)."""
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sampler import SampledToken
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stopping import StopChecker
 
 
-def run_step(sched_out, new_token=7):
-    """What the engine does after a forward pass: advance computed tokens, append sampled tokens."""
-    for chunk in sched_out.chunks:
-        completes = chunk.completes_sequence
-        chunk.seq.num_computed_tokens += chunk.num_tokens
-        if completes:
-            chunk.seq.append_token(new_token, None)
+def scheduler_with_fixed_tokens(config: EngineConfig, manager: BlockManager, max_model_len: int = 1 << 20) -> Scheduler:
+    """A scheduler whose sequences stop on max_tokens or the context length only (no EOS, no text)."""
+    return Scheduler(config, manager, StopChecker(eos_token_ids=(), max_model_len=max_model_len, detokenizer=None))
+
+
+def run_step(scheduler: Scheduler, out: SchedulerOutput, new_token: int = 7) -> None:
+    """What the engine does after a forward pass: every sampled sequence gets `new_token`."""
+    scheduler.update_from_output(out, [SampledToken(new_token, None) for _ in out.sampled_seqs])

@@ -24,6 +24,16 @@ def test_prompt_plus_max_tokens_over_max_model_len_names_both_numbers(llm):
         llm.generate([[5] * 100], greedy(max_tokens=30))
 
 
+def test_max_tokens_left_out_means_the_rest_of_the_context(llm):
+    out = llm.generate([[5] * 120], greedy(max_tokens=None))[0].outputs[0]
+    assert len(out.token_ids) == 8 and out.finish_reason == "length"
+
+
+def test_a_prompt_that_fills_the_context_is_refused_when_max_tokens_is_left_out(llm):
+    with pytest.raises(InvalidRequestError, match="maximum context length is 128 tokens. However, your prompt has 128"):
+        llm.generate([[5] * 128], greedy(max_tokens=None))
+
+
 def test_empty_prompt_is_rejected(llm):
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
         llm.generate([[]], greedy(max_tokens=4))

@@ -54,7 +54,7 @@ def test_sixteen_prompts_of_lengths_1_to_300_submitted_together(tiny_llama_dir, 
     expected = hf_greedy(tiny_llama_dir, prompts16, MAX_NEW, ignore_eos=True)
     assert_diverse(expected)
     llm, got = run_llm(tiny_llama_dir, prompts16, kernel_backend=kernel_backend)
-    assert llm.engine.executor.backend.name == kernel_backend
+    assert llm.engine.executor.runner.backend.name == kernel_backend
     assert got == expected
 
 

@@ -4,7 +4,7 @@ import argparse
 import random
 
 import pytest
-from scheduler_steps import run_step
+from scheduler_steps import run_step, scheduler_with_fixed_tokens
 
 from app.cli import add_serve_flags, serve_args_from
 from app.config import ServeArgs
@@ -13,7 +13,6 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.prefix_cache import hash_block
-from engine.scheduler import Scheduler
 from engine.sequence import Request
 
 SHARED, UNIQUE, MAX_NEW = 300, 20, 8
@@ -68,7 +67,7 @@ def make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64):
     config = EngineConfig(model="unused", block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
                           watermark=0.0)
     manager = BlockManager(num_blocks, block_size, watermark=0.0, enable_prefix_caching=True)
-    return Scheduler(config, manager), manager
+    return scheduler_with_fixed_tokens(config, manager), manager
 
 
 _ids = iter(range(10**6))
@@ -91,7 +90,7 @@ def test_block_hash_names_the_tokens_and_the_whole_history():
 def test_new_request_starts_after_its_longest_cached_prefix():
     scheduler, manager = make_scheduler()
     a = add(scheduler, list(range(1, 11)))  # 10 tokens: full blocks 0, 1 and a partial block 2
-    run_step(scheduler.schedule())
+    run_step(scheduler, scheduler.schedule())
     b = add(scheduler, list(range(1, 9)) + [50, 51, 52])  # shares a's first 8 tokens
     out = scheduler.schedule()
     assert b.block_table[:2] == [0, 1] and manager.ref_counts[0] == manager.ref_counts[1] == 2
@@ -106,7 +105,7 @@ def test_new_request_starts_after_its_longest_cached_prefix():
 def test_last_prompt_token_is_always_computed():
     scheduler, manager = make_scheduler()
     add(scheduler, list(range(1, 9)) + [60])
-    run_step(scheduler.schedule())
+    run_step(scheduler, scheduler.schedule())
     twin = add(scheduler, list(range(1, 9)))  # exactly the two cached full blocks
     out = scheduler.schedule()
     # only the first block is reused: the last token must run to give the first output's logits

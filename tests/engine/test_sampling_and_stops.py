@@ -156,13 +156,14 @@ def test_eos_stops_unless_ignore_eos(engine):
     prompt = prompts(1, seed=5)[0]
     free = run(engine, prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     # declare the 3rd greedy token an EOS token for this engine
-    saved = engine.eos_token_ids
-    engine.eos_token_ids = (free.token_ids[2],)
+    stop_checker = engine.scheduler.stop_checker
+    saved = stop_checker.eos_token_ids
+    stop_checker.eos_token_ids = (free.token_ids[2],)
     try:
         stopped = run(engine, prompt, SamplingParams(temperature=0.0, max_tokens=6))
         ignored = run(engine, prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     finally:
-        engine.eos_token_ids = saved
+        stop_checker.eos_token_ids = saved
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(free.token_ids[2]) + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason is None
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"

@@ -1,11 +1,11 @@
 """Scheduler and block manager: exact block ids, token budgets, chunking, preemption."""
 
 import pytest
-from scheduler_steps import run_step
+from scheduler_steps import run_step, scheduler_with_fixed_tokens
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SamplingParams
-from engine.scheduler import Scheduler
+from engine.sampler import SampledToken
 from engine.sequence import Request, SequenceStatus
 
 
@@ -19,7 +19,7 @@ def make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64, max_n
         watermark=0.0,
     )
     manager = BlockManager(num_blocks, block_size, watermark=0.0)
-    return Scheduler(config, manager), manager
+    return scheduler_with_fixed_tokens(config, manager), manager
 
 
 _request_counter = iter(range(10**6))
@@ -46,11 +46,11 @@ def test_prompt_blocks_are_allocated_in_order_from_the_free_pool():
 def test_decode_appends_a_block_only_when_the_last_one_fills():
     scheduler, manager = make_scheduler()
     seq = add_request(scheduler, 7)
-    run_step(scheduler.schedule())  # prompt: 7 tokens in blocks [0, 1]; sampled token 8
+    run_step(scheduler, scheduler.schedule())  # prompt: 7 tokens in blocks [0, 1]; sampled token 8
     assert seq.num_tokens == 8 and seq.block_table == [0, 1]
     out = scheduler.schedule()  # decode token 8 -> position 7, still block 1
     assert [c.seq for c in out.decodes] == [seq] and seq.block_table == [0, 1]
-    run_step(out)
+    run_step(scheduler, out)
     out = scheduler.schedule()  # token 9 -> position 8, needs block 2
     assert seq.block_table == [0, 1, 2]
 
@@ -58,7 +58,7 @@ def test_decode_appends_a_block_only_when_the_last_one_fills():
 def test_decode_is_scheduled_before_new_prefill():
     scheduler, _ = make_scheduler(max_num_batched_tokens=10)
     first = add_request(scheduler, 4)
-    run_step(scheduler.schedule())
+    run_step(scheduler, scheduler.schedule())
     second = add_request(scheduler, 20)
     out = scheduler.schedule()
     assert [c.seq for c in out.decodes] == [first]
@@ -75,7 +75,7 @@ def test_long_prompt_is_split_across_steps_within_the_budget():
         out = scheduler.schedule()
         chunks.append(out.prefills[0].num_tokens)
         assert out.num_batched_tokens <= 8
-        run_step(out)
+        run_step(scheduler, out)
     assert chunks == [8, 8, 4]
     assert seq.block_table == [0, 1, 2, 3, 4]
 
@@ -98,7 +98,7 @@ def test_newest_running_sequence_is_preempted_when_blocks_run_out():
     scheduler, manager = make_scheduler(num_blocks=4, block_size=4)
     old = add_request(scheduler, 8)  # blocks 0, 1
     new = add_request(scheduler, 8)  # blocks 2, 3
-    run_step(scheduler.schedule())
+    run_step(scheduler, scheduler.schedule())
     assert manager.num_free_blocks == 0
     out = scheduler.schedule()  # both need a third block; only preempting `new` frees two
     assert out.preempted == [new]
@@ -113,9 +113,9 @@ def test_newest_running_sequence_is_preempted_when_blocks_run_out():
 
 def test_preempted_sequence_is_recomputed_with_its_generated_tokens():
     scheduler, manager = make_scheduler(num_blocks=4, block_size=4)
-    old = add_request(scheduler, 8, max_tokens=1)
+    old = add_request(scheduler, 8)
     new = add_request(scheduler, 8)
-    run_step(scheduler.schedule())
+    run_step(scheduler, scheduler.schedule())
     scheduler.schedule()  # preempts `new`, which had 8 prompt tokens + 1 generated
     scheduler.finish(old, "length")
     out = scheduler.schedule()
@@ -127,7 +127,7 @@ def test_preempted_sequence_is_recomputed_with_its_generated_tokens():
 def test_sequence_preempts_itself_when_it_is_the_newest():
     scheduler, manager = make_scheduler(num_blocks=2, block_size=4)
     seq = add_request(scheduler, 8)
-    run_step(scheduler.schedule())
+    run_step(scheduler, scheduler.schedule())
     out = scheduler.schedule()  # needs a third block; nothing else to preempt
     assert out.preempted == [seq] and out.is_empty
     assert manager.num_free_blocks == 2
@@ -146,7 +146,7 @@ def test_finish_returns_blocks_to_the_pool():
 def test_watermark_keeps_blocks_for_running_sequences():
     config = EngineConfig(model="unused", block_size=4, watermark=0.25)
     manager = BlockManager(8, 4, watermark=0.25)  # 2 blocks reserved when admitting
-    scheduler = Scheduler(config, manager)
+    scheduler = scheduler_with_fixed_tokens(config, manager)
     running = add_request(scheduler, 16)  # 4 blocks: admitted with nothing running
     scheduler.schedule()
     waiting = add_request(scheduler, 12)  # 3 blocks: 3 + 2 reserved > 4 free
@@ -162,3 +162,41 @@ def test_block_count_covers_exactly_the_computed_tokens(block_size):
     seq = request.seqs[0]
     assert manager.allocate_slots(seq, 37)
     assert len(seq.block_table) == -(-37 // block_size)
+
+
+def test_update_from_output_advances_chunks_and_appends_a_token_only_to_completed_sequences():
+    scheduler, _ = make_scheduler(max_num_batched_tokens=10)
+    short, long = add_request(scheduler, 4), add_request(scheduler, 12)
+    out = scheduler.schedule()  # short whole (4), long's first 6 tokens
+    assert out.sampled_seqs == [short]
+    assert scheduler.update_from_output(out, [SampledToken(42, None)]) == [short]
+    assert short.token_ids[-1] == 42 and short.num_computed_tokens == 4
+    assert long.num_computed_tokens == 6 and long.num_output_tokens == 0
+
+
+def test_a_sequence_that_reaches_max_tokens_is_finished_by_the_scheduler_and_frees_its_blocks():
+    scheduler, manager = make_scheduler()
+    seq = add_request(scheduler, 4, max_tokens=2)
+    run_step(scheduler, scheduler.schedule())
+    assert not seq.is_finished
+    run_step(scheduler, scheduler.schedule())
+    assert seq.is_finished and seq.finish_reason == "length" and seq.output_token_ids == [7, 7]
+    assert not scheduler.has_unfinished() and manager.num_free_blocks == manager.num_blocks
+    manager.check_invariants()
+
+
+def test_a_requested_stop_token_finishes_the_sequence_with_that_token_as_stop_reason():
+    scheduler, _ = make_scheduler()
+    request = Request("stop", None, [1, 2, 3], SamplingParams(max_tokens=8, stop_token_ids=[9]))
+    scheduler.add(request.seqs[0])
+    run_step(scheduler, scheduler.schedule(), new_token=9)
+    seq = request.seqs[0]
+    assert (seq.finish_reason, seq.stop_reason) == ("stop", 9)
+
+
+def test_update_from_output_refuses_a_token_count_that_does_not_match_the_sampled_sequences():
+    scheduler, _ = make_scheduler()
+    add_request(scheduler, 4)
+    out = scheduler.schedule()
+    with pytest.raises(ValueError, match="0 sampled tokens for 1 sequences"):
+        scheduler.update_from_output(out, [])

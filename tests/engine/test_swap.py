@@ -5,13 +5,12 @@ import threading
 
 import pytest
 import torch
-from scheduler_steps import run_step
+from scheduler_steps import run_step, scheduler_with_fixed_tokens
 
 from engine import SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.scheduler import Scheduler
 from engine.sequence import Request, SequenceStatus
 from engine.swap import KVSwapper
 
@@ -58,7 +57,7 @@ def computed_prefill_tokens(requests) -> int:
 def make_scheduler(num_blocks=4, num_host_blocks=8, block_size=4):
     config = EngineConfig(model="unused", block_size=block_size, watermark=0.0, preemption_mode="swap")
     manager = BlockManager(num_blocks, block_size, watermark=0.0, num_host_blocks=num_host_blocks)
-    return Scheduler(config, manager), manager
+    return scheduler_with_fixed_tokens(config, manager), manager
 
 
 def add(scheduler, prompt_len, max_tokens=8):
@@ -74,7 +73,7 @@ def live(scheduler):
 def test_preempted_sequence_is_swapped_out_and_its_blocks_wait_for_the_copy():
     scheduler, manager = make_scheduler()
     old, new = add(scheduler, 8), add(scheduler, 8)  # blocks [0, 1] and [2, 3]
-    run_step(scheduler.schedule())
+    run_step(scheduler, scheduler.schedule())
     out = scheduler.schedule()  # both need a third block: new is swapped out
     assert out.preempted == [new] and out.swap_out == [(2, 0), (3, 1)] and out.swap_out_ticket is not None
     assert new.status is SequenceStatus.SWAPPED and new.host_block_table == [0, 1] and new.block_table == []
@@ -92,8 +91,8 @@ def test_preempted_sequence_is_swapped_out_and_its_blocks_wait_for_the_copy():
 
 def test_swapped_sequence_comes_back_before_new_prompts_without_recomputing():
     scheduler, manager = make_scheduler(num_blocks=4)
-    old, new = add(scheduler, 8, max_tokens=1), add(scheduler, 8)
-    run_step(scheduler.schedule())
+    old, new = add(scheduler, 8), add(scheduler, 8)
+    run_step(scheduler, scheduler.schedule())
     out = scheduler.schedule()
     manager.complete_swap_out(out.swap_out_ticket)
     scheduler.finish(old, "length")
@@ -113,7 +112,7 @@ def test_no_prompt_is_admitted_while_a_sequence_waits_in_swapped():
     add(scheduler, 8)
     add(scheduler, 8)
     third = add(scheduler, 8)  # blocks 0-5: the pool is full
-    run_step(scheduler.schedule())
+    run_step(scheduler, scheduler.schedule())
     out = scheduler.schedule()
     assert out.preempted == [third] and out.swap_out == [(4, 0), (5, 1)]
     manager.complete_swap_out(out.swap_out_ticket)
@@ -127,7 +126,7 @@ def test_full_host_pool_falls_back_to_recompute_and_counts_it():
     scheduler, manager = make_scheduler(num_host_blocks=1)
     add(scheduler, 8)
     new = add(scheduler, 8)
-    run_step(scheduler.schedule())
+    run_step(scheduler, scheduler.schedule())
     out = scheduler.schedule()
     assert out.preempted == [new] and out.swap_out == []
     assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0
@@ -139,7 +138,7 @@ def test_aborting_a_swapped_sequence_returns_its_host_blocks():
     scheduler, manager = make_scheduler()
     add(scheduler, 8)
     new = add(scheduler, 8)
-    run_step(scheduler.schedule())
+    run_step(scheduler, scheduler.schedule())
     out = scheduler.schedule()
     scheduler.finish(new, "abort")
     assert manager.num_free_host_blocks == 8 and not scheduler.swapped
@@ -210,7 +209,7 @@ def test_forced_swap_preemption_is_exact_and_recomputes_nothing(tiny_llama_dir, 
     assert engine.scheduler.num_preemptions_by_mode["swap"] > 0
     assert engine.scheduler.num_preemptions_by_mode["recompute"] == 0
     assert computed_prefill_tokens(requests) == sum(map(len, prompts))  # every resume was a swap-in
-    assert engine.executor.swapper.num_swap_out_waits == 0
+    assert engine.executor.runner.swapper.num_swap_out_waits == 0
     engine.block_manager.check_all_free()
 
 
@@ -242,7 +241,7 @@ def test_decode_steps_continue_while_a_swap_out_is_in_flight(tiny_llama_dir, hf_
     # 10 blocks hold the four prompts (2 blocks each); at token 32 two of them need a third block
     engine = make_engine(tiny_llama_dir, num_kv_blocks=10, max_model_len=160, enable_prefix_caching=False,
                          watermark=0.0)
-    swapper = engine.executor.swapper
+    swapper = engine.executor.runner.swapper
     release = threading.Event()
     copy_started = threading.Event()
 

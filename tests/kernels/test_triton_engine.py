@@ -21,7 +21,7 @@ def test_triton_backend_greedy_matches_transformers_with_chunked_prefill(tiny_ll
     assert all(len(set(tokens)) >= 3 for tokens in expected), f"degenerate oracle output: {expected}"
 
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", kernel_backend="triton", max_num_batched_tokens=16)
-    assert llm.engine.executor.backend.name == "triton"  # TP=1: the executor is the model runner
+    assert llm.engine.executor.runner.backend.name == "triton"
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
 
     assert [output.outputs[0].token_ids for output in outputs] == expected

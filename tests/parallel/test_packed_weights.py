@@ -1,14 +1,16 @@
-"""oneDNN pre-packed CPU weights: same products as F.linear, dense copies released, bytes counted once."""
+"""Packed linear weights (kernels/linear.py, oneDNN on CPU): same products as F.linear, dense copies released,
+bytes counted once."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.linear import no_packing, pack_for_onednn
 from parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
-    pack_weights_for_cpu,
+    pack_linear_weights,
     weight_bytes,
 )
 from parallel.state import ParallelContext
@@ -37,7 +39,7 @@ def test_packed_layers_compute_what_f_linear_computes(dtype):
     x = torch.randn(7, 64, generator=generator).to(dtype)
     h = torch.randn(7, 96, generator=generator).to(dtype)
 
-    assert pack_weights_for_cpu(model) == 3
+    assert pack_linear_weights(model, pack_for_onednn) == 3
 
     assert model["up"].weight.numel() == 0 and model["down"].weight.numel() == 0  # released
     assert model["head"].weight.shape == (300, 64)  # a tied embedding may share it: kept
@@ -52,3 +54,10 @@ def test_packed_layers_compute_what_f_linear_computes(dtype):
             assert torch.equal(got, want)
         else:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_backend_without_packing_leaves_every_layer_dense():
+    parallel = ParallelContext()
+    layer = RowParallelLinear(16, 8, parallel, dtype=torch.float32)
+    assert pack_linear_weights(layer, no_packing) == 0
+    assert layer.packed_weight is None and layer.weight.shape == (8, 16)

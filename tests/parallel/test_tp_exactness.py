@@ -10,7 +10,6 @@ import pytest
 from engine.config import SamplingParams
 from engine.llm_engine import LLM
 from engine.models import model_class_for
-from parallel.workers import measure_memory
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -89,7 +88,7 @@ def test_greedy_tokens_equal_tp1_and_hugging_face(tp_case, tp1_engines, hf_greed
 def test_each_rank_holds_a_tp_share_of_weights_and_kv_cache(tp_case, tp1_engines):
     model_dir, tp, settings, llm = tp_case
     config = llm.engine.model_config
-    single = measure_memory(tp1_engines(model_dir, settings).engine.executor)
+    (single,) = tp1_engines(model_dir, settings).engine.executor.memory()
     ranks = llm.engine.executor.memory()
     assert [r.rank for r in ranks] == list(range(tp))
 

@@ -1,0 +1,44 @@
+"""The executor of a one-rank engine: the model runner, in the engine's own thread."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import EngineDeadError
+from engine.executor.base import RankMemory, measure_memory
+from engine.model_runner import ModelRunner, StepInput
+
+
+class SingleProcessExecutor:
+    """Rank 0 alone: a failed step raises out of `execute_model`, so there is no worker to watch."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        self.runner: ModelRunner | None = ModelRunner(config, model_config, max_model_len=max_model_len)
+        self.num_blocks = self.runner.num_blocks
+        self.num_host_blocks = self.runner.num_host_blocks
+
+    def execute_model(self, step: StepInput) -> torch.Tensor | None:
+        return self._live_runner().execute_model(step)
+
+    def poll_swap_outs(self) -> list[int]:
+        return self._live_runner().poll_swap_outs()
+
+    def wait_swap_outs(self) -> list[int]:
+        return self._live_runner().wait_swap_outs()
+
+    def check_health(self) -> None:
+        self._live_runner()
+
+    def memory(self) -> list[RankMemory]:
+        return [measure_memory(self._live_runner())]
+
+    def shutdown(self) -> None:
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            runner.shutdown()
+
+    def _live_runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise EngineDeadError("the engine was shut down")
+        return self.runner
