@@ -19,6 +19,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.errors import (
+    RETRY_AFTER_S,
+    AuthenticationError,
+    BodyTooLargeError,
+    EngineOverloadedError,
+    ModelNotFoundError,
+    engine_dead_error,
+    error_response,
+)
 from app.openapi import (
     CHAT_COMPLETIONS_ROUTE,
     COMPLETIONS_ROUTE,
@@ -27,28 +36,13 @@ from app.openapi import (
     error_responses,
     install_openapi,
 )
-from app.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse, ModelList
-from app.serving import ModelNotFoundError, OpenAIServing, engine_dead_error
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from app.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
+from app.serving import OpenAIServing
+from engine.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger("shardserve.api")
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
-RETRY_AFTER_S = 1  # a replica's waiting queue drains in about a second at tested loads
-
-
-class BodyTooLargeError(Exception):
-    """The request body is over `max_request_body_bytes`: maps to HTTP 413."""
-
-
-class AuthenticationError(Exception):
-    """Missing or wrong `Authorization: Bearer` key: maps to HTTP 401."""
-
-
-def error_response(status: int, message: str, type_: str, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def _version() -> str:
@@ -132,11 +126,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"Internal server error: {type(e).__name__}", "InternalServerError")
 
 
-def build_api(serving: OpenAIServing, api_key: str | None = None,
-              max_request_body_bytes: int = 4 * 1024 * 1024, stream_batching: StreamBatching | None = None) -> FastAPI:
-    """The HTTP app of one replica: OpenAI routes over `serving`, plus /health, /version and engine stats.
+def build_api(serving: OpenAIServing, stream_batching: StreamBatching, api_key: str | None = None,
+              max_request_body_bytes: int = 4 * 1024 * 1024) -> FastAPI:
+    """The routes of one replica's HTTP app: OpenAI's over `serving`, plus /health, /version and engine stats.
 
-    stream_batching: how streamed responses are written (see StreamBatching); None writes each event."""
+    app/deployment.py build_replica_app adds the rest of a replica's app around it (call that one).
+    stream_batching: how streamed responses are written (see StreamBatching)."""
     app = FastAPI(title="shardserve", version=_version(), docs_url=None, redoc_url=None)
     _install_error_handlers(app)
     install_openapi(app, serving.served_model_name, bearer_auth=api_key is not None)
@@ -193,10 +188,10 @@ def engine_stats_dict(engine) -> dict:
     return dict(vars(stats))
 
 
-def _respond(result, batching: StreamBatching | None = None) -> Response:
+def _respond(result, batching: StreamBatching) -> Response:
     if isinstance(result, BaseModel):
         return Response(result.model_dump_json(), media_type="application/json")
-    if batching is not None and (batching.interval_s > 0 or batching.max_writes_per_s > 0):
+    if batching.interval_s > 0 or batching.max_writes_per_s > 0:
         result = coalesce_stream(result, batching)
     return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

@@ -2,15 +2,17 @@
 
 Each replica asks for a placement group of tensor_parallel_size bundles (bundle 0 holds the replica, which is
 rank 0; bundles 1..tp-1 hold the TP worker actors) packed on one node. `build_app(args)` is the application
-for both the CLI and `serve run configs/serve.yaml`.
+for both the CLI and `serve run configs/serve.yaml`. `build_replica_app` is the HTTP app of one replica: the
+deployment serves it, and the tests and scripts that run a replica's app without Serve build it the same way.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
 
@@ -18,13 +20,16 @@ from app.api import StreamBatching, build_api, engine_stats_dict
 from app.autoscaling import QUEUE_DEPTH_METRIC, autoscaling_config
 from app.config import ServeArgs
 from app.drain import DrainGate, DrainState, ReplicaDrain
-from app.observability import ReplicaObservability
+from app.errors import RETRY_AFTER_S
+from app.observability.replica import ReplicaObservability
 from app.serving import OpenAIServing
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("shardserve.deployment")
 
 DEMO_MODEL_NAME = "shardserve-demo"
-RETRY_AFTER_S = 1.0
 RAY_METRICS_INTERVAL_S = 5.0  # how often a replica copies its Prometheus metrics into Ray's node export
 # how often Serve's own drain of a stopping replica counts its ongoing requests (Serve's default, 2 s, is also
 # the least time an idle replica takes to stop)
@@ -44,6 +49,19 @@ def default_sampling(args: ServeArgs) -> dict[str, float]:
 
         return dict(DEMO_GENERATION_CONFIG)
     return {}
+
+
+def build_replica_app(engine: AsyncLLMEngine, args: ServeArgs, observability: ReplicaObservability,
+                      drain_state: DrainState | None = None) -> FastAPI:
+    """One replica's HTTP app over its engine: the OpenAI routes with stream batching, /metrics and the trace
+    context (`observability`, which takes every finished request's record), and the drain gate outermost."""
+    serving = OpenAIServing(engine, served_model_name(args), args.max_waiting_requests, default_sampling(args),
+                            on_request_finished=observability.record_request)
+    app = build_api(serving, StreamBatching(args.stream_interval_ms / 1000, args.max_stream_writes_per_s),
+                    api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes)
+    observability.install(app)
+    app.add_middleware(DrainGate, state=drain_state if drain_state is not None else DrainState())
+    return app
 
 
 def _use_gpu(args: ServeArgs) -> bool:
@@ -119,22 +137,14 @@ class LLMServer:
         # graceful shutdown under the CLI (app/drain.py); without its coordinator, `drain` is None
         self.drain_state = DrainState()
         self.drain = ReplicaDrain.attach(_app_name(), _replica_id(), self.drain_state, self.engine.abort_all)
-        # tracing and /metrics: one TracerProvider and one Prometheus registry per replica (app/observability.py)
+        # tracing and /metrics: one TracerProvider and one Prometheus registry per replica (app/observability/)
         self.observability = ReplicaObservability(self.engine, served_model_name(self.args), _replica_id(),
                                                   self.args.tensor_parallel_size, self.args.otlp_traces_endpoint,
                                                   ray_metrics_interval_s=RAY_METRICS_INTERVAL_S)
-        self.serving = OpenAIServing(self.observability.engine, served_model_name(self.args),
-                                     self.args.max_waiting_requests, default_sampling(self.args))
-        logger.info("replica ready: model %s served as %r", model_dir, self.serving.served_model_name)
+        logger.info("replica ready: model %s served as %r", model_dir, served_model_name(self.args))
 
-    def __serve_build_asgi_app__(self):
-        app = self.observability.install(build_api(self.serving, api_key=self.args.api_key,
-                                                   max_request_body_bytes=self.args.max_request_body_bytes,
-                                                   stream_batching=StreamBatching(
-                                                       self.args.stream_interval_ms / 1000,
-                                                       self.args.max_stream_writes_per_s)))
-        app.add_middleware(DrainGate, state=self.drain_state)
-        return app
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_replica_app(self.engine, self.args, self.observability, self.drain_state)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Queue depth for app/autoscaling.py: sequences waiting plus running in this replica's engine."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.api import RETRY_AFTER_S, error_response
+from app.errors import RETRY_AFTER_S, error_response
 
 logger = logging.getLogger("shardserve.drain")
 

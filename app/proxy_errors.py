@@ -23,6 +23,7 @@ import os
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.errors import RETRY_AFTER_S
 from app.protocol import ErrorInfo, ErrorResponse
 
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -37,7 +38,6 @@ SERVE_ERRORS = {
 
 
 REPLICA_LOST = "The replica serving this request stopped before it finished; retry."
-REPLICA_LOST_RETRY_AFTER_S = 1
 
 
 def use_openai_errors_in_serve_proxy() -> None:
@@ -101,7 +101,7 @@ class OpenAIErrorsFromServe:
             body = _replica_lost().encode()
             await send({"type": "http.response.start", "status": 503, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                (b"retry-after", str(REPLICA_LOST_RETRY_AFTER_S).encode())]})
+                (b"retry-after", str(RETRY_AFTER_S).encode())]})
             await send({"type": "http.response.body", "body": body})
         elif not complete and _header(started, b"content-type").startswith(b"text/event-stream"):
             events = f"data: {_replica_lost()}\n\ndata: [DONE]\n\n"

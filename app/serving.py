@@ -1,4 +1,8 @@
-"""OpenAI completions and chat completions on top of one AsyncLLMEngine: prompts in, choices and SSE chunks out."""
+"""OpenAI completions and chat completions on top of one AsyncLLMEngine: prompts in, choices and SSE chunks out.
+
+Each engine request's RequestRecord goes to `on_request_finished` (the replica's observability) when its final
+delta arrives (app/engine_streams.py).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,16 @@ import logging
 import typing
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from app.config import SamplingDefault
-from app.engine_streams import Prompt, start_generation
+from app.engine_streams import OnRequestFinished, Prompt, start_generation
+from app.errors import EngineOverloadedError, ModelNotFoundError, engine_dead_error
+from app.observability.records import RequestContext
 from app.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -35,13 +42,12 @@ from app.protocol import (
     UsageInfo,
 )
 from engine.config import SamplingParams
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("shardserve.api")
-
-
-class ModelNotFoundError(Exception):
-    """The request names a model this server does not serve: maps to HTTP 404."""
 
 
 @dataclass
@@ -72,9 +78,11 @@ NEUTRAL_SAMPLING: dict[str, float] = {
 class OpenAIServing:
     """Turns OpenAI request bodies into engine requests and engine deltas into OpenAI response bodies."""
 
-    def __init__(self, engine: Any, served_model_name: str, max_waiting_requests: int,
-                 default_sampling: dict[str, float] | None = None):
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, max_waiting_requests: int,
+                 default_sampling: dict[str, float] | None = None,
+                 on_request_finished: OnRequestFinished | None = None):
         self.engine = engine
+        self.on_request_finished = on_request_finished
         # what a request that leaves a sampling field out gets (vLLM's --override-generation-config)
         self.default_sampling = {**NEUTRAL_SAMPLING, **(default_sampling or {})}
         self.tokenizer = engine.tokenizer
@@ -156,8 +164,6 @@ class OpenAIServing:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    # -- generation ---------------------------------------------------------------------------------
-
     # -- /v1/completions ----------------------------------------------------------------------------
 
     def _completion_prompts(self, req: CompletionRequest) -> list[Prompt]:
@@ -209,7 +215,9 @@ class OpenAIServing:
                   for p in prompts]
         logger.info("%s: %d prompt(s), n=%d, stream=%s", request_id, len(prompts), req.n, req.stream)
         self.check_capacity()
-        deltas = await start_generation(self.engine, request_id, prompts, params)
+        deltas = await start_generation(self.engine, request_id, prompts, params,
+                                        RequestContext("text_completion", self.served_model_name),
+                                        self.on_request_finished)
         states = [ChoiceState() for _ in range(len(prompts) * req.n)]
         echoes = [(p.text if p.text is not None else self.tokenizer.decode(p.token_ids)) if req.echo else ""
                   for p in prompts]
@@ -240,23 +248,24 @@ class OpenAIServing:
         include_usage = req.include_usage_chunk
         exclude = None if include_usage else {"usage"}
         try:
-            async for prompt_index, delta in deltas:
-                choices = []
-                for out in delta.outputs:
-                    index = prompt_index * req.n + out.index
-                    state = states[index]
-                    text = out.text if state.started else echoes[prompt_index] + out.text
-                    state.started = True
-                    state.token_ids += out.token_ids
-                    logprobs = None
-                    if req.logprobs is not None:
-                        logprobs = self._completion_logprobs(state, out.token_ids, out.logprobs or [],
-                                                             req.logprobs)
-                    choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                    finish_reason=out.finish_reason))
-                if choices:
-                    chunk = CompletionResponse(id=request_id, model=self.served_model_name, choices=choices)
-                    yield sse(chunk.model_dump_json(exclude=exclude))
+            async with aclosing(deltas):  # leaving early ends the engine requests now, not when collected
+                async for prompt_index, delta in deltas:
+                    choices = []
+                    for out in delta.outputs:
+                        index = prompt_index * req.n + out.index
+                        state = states[index]
+                        text = out.text if state.started else echoes[prompt_index] + out.text
+                        state.started = True
+                        state.token_ids += out.token_ids
+                        logprobs = None
+                        if req.logprobs is not None:
+                            logprobs = self._completion_logprobs(state, out.token_ids, out.logprobs or [],
+                                                                 req.logprobs)
+                        choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                        finish_reason=out.finish_reason))
+                    if choices:
+                        chunk = CompletionResponse(id=request_id, model=self.served_model_name, choices=choices)
+                        yield sse(chunk.model_dump_json(exclude=exclude))
             if include_usage:
                 chunk = CompletionResponse(id=request_id, model=self.served_model_name, choices=[],
                                            usage=_usage(prompts, states))
@@ -302,7 +311,8 @@ class OpenAIServing:
         params = self._sampling_params(req, max_tokens, num_top if req.logprobs else None)
         logger.info("%s: %d message(s), n=%d, stream=%s", request_id, len(req.messages), req.n, req.stream)
         self.check_capacity()
-        deltas = await start_generation(self.engine, request_id, [prompt], [params])
+        deltas = await start_generation(self.engine, request_id, [prompt], [params],
+                                        RequestContext("chat", self.served_model_name), self.on_request_finished)
         states = [ChoiceState() for _ in range(req.n)]
         if req.stream:
             return self._chat_stream(req, request_id, prompt, states, num_top, deltas)
@@ -331,28 +341,25 @@ class OpenAIServing:
             return sse(body.model_dump_json(exclude=exclude))
 
         try:
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                         for i in range(req.n)])
-            async for _, delta in deltas:
-                choices = []
-                for out in delta.outputs:
-                    states[out.index].token_ids += out.token_ids
-                    logprobs = self._chat_logprobs(out.token_ids, out.logprobs or [], num_top) if req.logprobs else None
-                    choices.append(ChatStreamChoice(index=out.index, delta=DeltaMessage(content=out.text),
-                                                    logprobs=logprobs, finish_reason=out.finish_reason))
-                if choices:
-                    yield chunk(choices)
+            async with aclosing(deltas):  # leaving early ends the engine request now, not when collected
+                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                             for i in range(req.n)])
+                async for _, delta in deltas:
+                    choices = []
+                    for out in delta.outputs:
+                        states[out.index].token_ids += out.token_ids
+                        logprobs = (self._chat_logprobs(out.token_ids, out.logprobs or [], num_top) if req.logprobs
+                                    else None)
+                        choices.append(ChatStreamChoice(index=out.index, delta=DeltaMessage(content=out.text),
+                                                        logprobs=logprobs, finish_reason=out.finish_reason))
+                    if choices:
+                        yield chunk(choices)
             if include_usage:
                 yield chunk([], usage=_usage([prompt], states))
             logger.info("%s: finished", request_id)
         except Exception as e:  # the response has started: report in-band, as OpenAI does
             yield _stream_error_event(request_id, e)
         yield SSE_DONE
-
-
-def engine_dead_error(e: EngineDeadError) -> ErrorInfo:
-    """What a client is told when the engine has died: as a 503's body, or as a stream's last event."""
-    return ErrorInfo(message=f"The engine has stopped: {e}", type="service_unavailable_error", code="engine_dead")
 
 
 def _stream_error_event(request_id: str, e: Exception) -> str:

@@ -20,7 +20,3 @@ class ModelLoadError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine loop has stopped (a worker died or a step raised); no further requests are served."""
-
-
-class EngineOverloadedError(EngineError):
-    """The waiting queue is full: maps to HTTP 429/503 with Retry-After."""

@@ -1,7 +1,7 @@
 """Tracing overhead: throughput at concurrency 50 with spans exported over OTLP/HTTP vs tracing off, same run.
 
-One replica server (the replica's HTTP app as app/deployment.py builds it, tracing to an OTLP/HTTP receiver in
-this process that decodes every export) runs under uvicorn in a subprocess on 127.0.0.1. Rounds alternate
+One replica server (the replica's HTTP app from app/deployment.py build_replica_app, tracing to an OTLP/HTTP
+receiver in this process that decodes every export) runs under uvicorn in a subprocess on 127.0.0.1. Rounds alternate
 tracing off and on (off, on, on, off, off, on, ...) in that same server process, switched by a route only this
 script adds, so both modes share the process, the warmed-up engine and the machine's load over time; each round
 sends `--requests` non-streamed completions at `--concurrency`. Reported: output tokens/s per round and the
@@ -40,21 +40,22 @@ def serve(args: argparse.Namespace) -> None:
     """One replica's HTTP app on 127.0.0.1:<port>, tracing to --otlp-endpoint if given."""
     import uvicorn
 
-    from app.api import build_api
-    from app.observability import ReplicaObservability
-    from app.serving import OpenAIServing
+    from app.config import ServeArgs
+    from app.deployment import build_replica_app
+    from app.observability.replica import ReplicaObservability
     from engine import AsyncLLMEngine, EngineConfig
 
     engine = AsyncLLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                                          max_num_seqs=args.concurrency))
+    settings = ServeArgs(model=args.model, served_model_name=MODEL_NAME, max_waiting_requests=10_000)
     obs = ReplicaObservability(engine, MODEL_NAME, f"bench-{args.port}", 1, args.otlp_endpoint)
-    app = obs.install(build_api(OpenAIServing(obs.engine, MODEL_NAME, max_waiting_requests=10_000)))
-    tracer = obs.engine.tracer
+    app = build_replica_app(engine, settings, obs)
+    tracer = obs.tracer
 
     @app.post("/bench/tracing/{state}")
     async def set_tracing(state: str) -> dict:
-        obs.engine.tracer = tracer if state == "on" else None
-        return {"tracing": obs.engine.tracer is not None}
+        obs.tracer = tracer if state == "on" else None
+        return {"tracing": obs.tracer is not None}
 
     try:
         uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
@@ -226,8 +227,8 @@ def micro(args: argparse.Namespace) -> None:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from app.observability import RequestRecord
-    from app.tracing import TRACER_NAME, RequestTracer
+    from app.observability.records import RequestRecord
+    from app.observability.tracing import TRACER_NAME, RequestTracer
 
     receiver = OTLPReceiver()
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
@@ -248,7 +249,7 @@ def micro(args: argparse.Namespace) -> None:
         for i in range(args.requests)]
     start = time.thread_time()
     for record in records:
-        tracer.record(record, None)
+        tracer.record(record)
     build_ms = 1000 * (time.thread_time() - start) / len(records)
     provider.force_flush()
     spans = memory.get_finished_spans()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from engine.errors import InvalidRequestError
+from engine.sequence import RequestMetrics
 
 
 class ByteTokenizer:
@@ -52,6 +54,8 @@ class FakeOutput:
     prompt_token_ids: list[int]
     outputs: list[FakeCompletion] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
 
 
 def fake_next_token(prompt_ids: list[int], position: int, choice: int, greedy: bool) -> int:
@@ -88,11 +92,14 @@ class FakeEngine:
         self.sampling_params.append(sp)
         texts = [""] * sp.n
         done = [False] * sp.n
+        metrics = RequestMetrics(arrival_time=time.time())
         self.stats_now.num_running += 1
         try:
             for position in range(sp.max_tokens):
                 await asyncio.sleep(0)
-                delta = FakeOutput(request_id, prompt, prompt_token_ids)
+                metrics.first_scheduled_time = metrics.first_scheduled_time or time.time()
+                metrics.first_token_time = metrics.first_token_time or time.time()
+                delta = FakeOutput(request_id, prompt, prompt_token_ids, metrics=metrics)
                 for i in range(sp.n):
                     if done[i]:
                         continue
@@ -110,6 +117,8 @@ class FakeEngine:
                     done[i] = finish is not None
                     delta.outputs.append(FakeCompletion(i, text, [token], logprobs, finish_reason=finish))
                 delta.finished = all(done)
+                if delta.finished:
+                    metrics.finished_time = time.time()
                 yield delta
                 if delta.finished:
                     return

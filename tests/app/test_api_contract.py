@@ -28,10 +28,10 @@ import httpx
 import pytest
 import uvicorn
 
-from app.api import build_api
-from app.observability import ReplicaObservability
+from app.config import ServeArgs
+from app.deployment import build_replica_app
+from app.observability.replica import ReplicaObservability
 from app.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV, OpenAIErrorsFromServe
-from app.serving import OpenAIServing
 from tests.app.conftest import API_KEY, SERVED_NAME, free_port, tiny_serve_args
 from tests.app.fake_engine import FakeEngine
 
@@ -66,17 +66,17 @@ def serving_on_loopback(app) -> Iterator[str]:
         thread.join(timeout=10)
 
 
+def fake_replica_app(engine: FakeEngine, **settings):
+    """The replica's app as every replica serves it (app/deployment.py build_replica_app) over a fake engine."""
+    return build_replica_app(engine, ServeArgs(model=MODEL, max_waiting_requests=4, **settings),
+                             ReplicaObservability(engine, MODEL))
+
+
 @pytest.fixture(scope="module")
 def fake_server() -> Iterator[str]:
-    """The replica's app (build_api + observability, as app/deployment.py builds it) over the fake engine."""
-    obs = ReplicaObservability(FakeEngine(max_model_len=256), MODEL, "r0", 1, otlp_traces_endpoint=None)
-    app = obs.install(build_api(OpenAIServing(obs.engine, MODEL, max_waiting_requests=4), api_key=API_KEY,
-                                max_request_body_bytes=16384))
-    try:
-        with serving_on_loopback(app) as base_url:
-            yield base_url
-    finally:
-        obs.shutdown()
+    app = fake_replica_app(FakeEngine(max_model_len=256), api_key=API_KEY, max_request_body_bytes=16384)
+    with serving_on_loopback(app) as base_url:
+        yield base_url
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ class FailingEngine(FakeEngine):
 
 
 def test_the_contract_run_fails_on_a_server_error(tmp_path):
-    app = build_api(OpenAIServing(FailingEngine(max_model_len=256), MODEL, max_waiting_requests=4), api_key=API_KEY)
+    app = fake_replica_app(FailingEngine(max_model_len=256), api_key=API_KEY)
     with serving_on_loopback(app) as base_url:
         run = run_schemathesis(base_url, MODEL, tmp_path, max_examples=5, phases="examples",
                                include_path="/v1/completions")
@@ -244,7 +244,7 @@ async def test_serves_plain_text_429_becomes_an_openai_error_with_retry_after():
 
 
 async def test_the_apps_own_responses_pass_the_proxy_middleware_untouched():
-    app = build_api(OpenAIServing(FakeEngine(max_model_len=64), MODEL, max_waiting_requests=4))
+    app = fake_replica_app(FakeEngine(max_model_len=64))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as direct, \
             httpx.AsyncClient(transport=httpx.ASGITransport(app=OpenAIErrorsFromServe(app)),
                               base_url="http://app") as proxied:

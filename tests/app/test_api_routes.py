@@ -1,4 +1,5 @@
-"""The OpenAI routes over a fake engine (no model, no Ray): bodies, SSE framing, usage and the error table."""
+"""The OpenAI routes of a replica's app over a fake engine (no model, no Ray): bodies, SSE framing, usage, the error
+table, and each engine request's record."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import json
 import httpx
 import pytest
 
-from app.api import build_api
+from app.config import ServeArgs
+from app.deployment import build_replica_app
 from app.engine_streams import Prompt, start_generation
-from app.serving import OpenAIServing
+from app.observability.records import RequestContext
+from app.observability.replica import ReplicaObservability
 from engine.config import SamplingParams
 from engine.errors import EngineDeadError, InvalidRequestError
 from tests.app.fake_engine import FakeEngine, fake_next_token
@@ -22,8 +25,10 @@ def engine() -> FakeEngine:
     return FakeEngine(max_model_len=64)
 
 
-def make_client(engine: FakeEngine, **api_kwargs) -> httpx.AsyncClient:
-    app = build_api(OpenAIServing(engine, MODEL, max_waiting_requests=4), **api_kwargs)
+def make_client(engine: FakeEngine, **settings) -> httpx.AsyncClient:
+    """The replica's app as every replica serves it (app/deployment.py build_replica_app) over `engine`."""
+    app = build_replica_app(engine, ServeArgs(model=MODEL, max_waiting_requests=4, **settings),
+                            ReplicaObservability(engine, MODEL))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
@@ -63,8 +68,7 @@ async def test_completion_returns_text_and_exact_usage(client):
 
 
 async def test_sampling_fields_a_request_leaves_out_take_the_servers_defaults(engine):
-    serving = OpenAIServing(engine, MODEL, max_waiting_requests=4, default_sampling={"temperature": 0.2, "top_p": 0.9})
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(serving)), base_url="http://test") as c:
+    async with make_client(engine, override_generation_config={"temperature": 0.2, "top_p": 0.9}) as c:
         for body in ({}, {"temperature": 0.7}, {"top_p": 1.0, "top_k": 0}):
             r = await c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, **body,
                                                            "messages": [{"role": "user", "content": "hi"}]})
@@ -267,7 +271,9 @@ async def test_engine_errors_before_the_first_token_are_http_errors_even_when_st
 async def test_leaving_a_multi_prompt_stream_early_closes_every_engine_request(engine):
     prompts = [Prompt("a", [97]), Prompt("b", [98]), Prompt("c", [99])]
     params = [SamplingParams(max_tokens=50)] * 3
-    deltas = await start_generation(engine, "cmpl-test", prompts, params)
+    records = []
+    deltas = await start_generation(engine, "cmpl-test", prompts, params, RequestContext("text_completion", MODEL),
+                                    on_finished=records.append)
     seen = set()
     async for index, _ in deltas:
         seen.add(index)
@@ -278,6 +284,38 @@ async def test_leaving_a_multi_prompt_stream_early_closes_every_engine_request(e
     assert engine.stats().num_running == 0
     assert engine.num_generated_tokens < 3 * 50  # aborted, not run to the end
     assert sorted(engine.request_ids) == ["cmpl-test-0", "cmpl-test-1", "cmpl-test-2"]
+    # each engine request left before its end is recorded once, as aborted
+    assert sorted((r.request_id, tuple(r.finish_reasons)) for r in records) == [
+        ("cmpl-test-0", ("abort",)), ("cmpl-test-1", ("abort",)), ("cmpl-test-2", ("abort",))]
+
+
+async def test_each_engine_request_is_recorded_when_its_final_delta_arrives(engine):
+    prompts = [Prompt("a", [97]), Prompt(None, [98, 99])]
+    params = [SamplingParams(max_tokens=3, n=2, temperature=1.0), SamplingParams(max_tokens=5)]
+    context = RequestContext("text_completion", MODEL)
+    records = []
+    deltas = await start_generation(engine, "cmpl-rec", prompts, params, context, on_finished=records.append)
+    async for _, delta in deltas:
+        recorded = [r.request_id for r in records]
+        assert (delta.request_id in recorded) == delta.finished  # by the time its final delta arrives, not before
+    by_id = {r.request_id: r for r in records}
+    assert len(records) == 2
+    first, second = by_id["cmpl-rec-0"], by_id["cmpl-rec-1"]
+    assert (first.num_prompt_tokens, first.num_output_tokens, first.longest_choice_tokens) == (1, 6, 3)
+    assert first.finish_reasons == ["length", "length"] and second.finish_reasons == ["length"]
+    assert (second.num_prompt_tokens, second.num_output_tokens, second.max_tokens) == (2, 5, 5)
+    assert {(r.operation, r.model, r.received_time) for r in records} == {
+        ("text_completion", MODEL, context.received_time)}
+
+
+async def test_a_failing_observer_does_not_fail_the_request(engine):
+    def broken(record):
+        raise RuntimeError("the metrics backend is down")
+
+    deltas = await start_generation(engine, "cmpl-obs", [Prompt("hi", [104, 105])], [SamplingParams(max_tokens=4)],
+                                    RequestContext("text_completion", MODEL), on_finished=broken)
+    outputs = [delta async for _, delta in deltas]
+    assert outputs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outputs) == 4
 
 
 async def test_completion_logprobs_zero_still_reports_the_sampled_token(client):

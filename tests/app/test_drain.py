@@ -9,9 +9,10 @@ import time
 
 import httpx
 
-from app.api import build_api
+from app.config import ServeArgs
+from app.deployment import build_replica_app
 from app.drain import ABORT_GRACE_S, DrainCoordinator, DrainGate, DrainState, finish_in_flight
-from app.serving import OpenAIServing
+from app.observability.replica import ReplicaObservability
 from engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from tests.app.fake_engine import FakeEngine
@@ -20,8 +21,8 @@ MODEL = "fake-model"
 
 
 def gated_client(engine, state: DrainState) -> httpx.AsyncClient:
-    app = build_api(OpenAIServing(engine, MODEL, max_waiting_requests=4))
-    app.add_middleware(DrainGate, state=state)
+    app = build_replica_app(engine, ServeArgs(model=MODEL, max_waiting_requests=4),
+                            ReplicaObservability(engine, MODEL), drain_state=state)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
@@ -104,7 +105,8 @@ async def test_the_coordinator_hands_out_the_time_left_and_tracks_which_replicas
 async def test_a_request_aborted_at_the_deadline_returns_its_partial_text_with_finish_reason_abort(tiny_llama_dir):
     """What a non-streaming client sees when the drain's deadline passes: 200, the text so far, "abort"."""
     async with AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32")) as engine:
-        app = build_api(OpenAIServing(engine, MODEL, max_waiting_requests=4))
+        app = build_replica_app(engine, ServeArgs(model=str(tiny_llama_dir), served_model_name=MODEL),
+                                ReplicaObservability(engine, MODEL))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
                                      timeout=60) as client:
             body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True,

@@ -13,24 +13,27 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.api import build_api
-from app.metrics import PREFIX, exported_series_names
-from app.observability import ReplicaObservability
-from app.serving import OpenAIServing
-from engine import AsyncLLMEngine, EngineConfig, SamplingParams
+from app.config import ServeArgs
+from app.deployment import build_replica_app
+from app.observability.metrics import PREFIX, exported_series_names
+from app.observability.replica import ReplicaObservability
+from engine import AsyncLLMEngine, EngineConfig
+from tests.app.asgi_stream import StreamingPost
 
 MODEL = "tiny"
+API_KEY = "secret"
 DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "shardserve.json"
 
 
 @asynccontextmanager
 async def observed_replica(model_dir, replica: str = "r0", **engine_args):
     engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256, **engine_args))
-    obs = ReplicaObservability(engine, MODEL, replica, 1, otlp_traces_endpoint=None)
-    app = obs.install(build_api(OpenAIServing(obs.engine, MODEL, max_waiting_requests=64), api_key="secret"))
+    obs = ReplicaObservability(engine, MODEL, replica)
+    app = build_replica_app(engine, ServeArgs(model=str(model_dir), served_model_name=MODEL, max_waiting_requests=64,
+                                              api_key=API_KEY), obs)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://replica") as client:
-            yield client, obs, engine
+            yield client, obs, engine, app
     finally:
         obs.shutdown()
         engine.shutdown()
@@ -61,13 +64,13 @@ async def test_metrics_after_n_requests_count_n_and_their_tokens(tiny_llama_dir)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 9, 14, 20, 7)]
     max_tokens = [3, 6, 2, 8, 5]
-    async with observed_replica(tiny_llama_dir, max_num_batched_tokens=32) as (client, obs, engine):
+    async with observed_replica(tiny_llama_dir, max_num_batched_tokens=32) as (client, _, engine, _):
         fresh = await scrape(client)
         assert not [name for name, _ in fresh if name == PREFIX + "request_success_total"]
         assert value(fresh, PREFIX + "num_requests_running") == 0
 
         async def complete(prompt, n):
-            r = await client.post("/v1/completions", headers={"Authorization": "Bearer secret"}, json={
+            r = await client.post("/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, json={
                 "model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
             return r.json()
@@ -101,14 +104,15 @@ async def test_metrics_after_n_requests_count_n_and_their_tokens(tiny_llama_dir)
 
 
 async def test_gauges_show_work_in_flight_and_return_to_zero(tiny_llama_dir):
-    async with observed_replica(tiny_llama_dir) as (client, obs, engine):
-        # straight into the observed engine: httpx's ASGI transport would only return once the response ended
-        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-        stream = obs.engine.generate([5, 6, 7, 8], params, request_id="cmpl-busy-0")
-        await anext(stream)  # the request is running: its first token came back
+    async with observed_replica(tiny_llama_dir) as (client, _, _, app):
+        # a stream read write by write: httpx's ASGI transport would only return once the response ended
+        post = StreamingPost(app, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 200,
+                                                      "temperature": 0, "ignore_eos": True, "stream": True},
+                             headers={"Authorization": f"Bearer {API_KEY}"})
+        assert await post.status() == 200
+        await post.next_write()  # the request is running: its first token came back
         busy = await scrape(client)
-        async for _ in stream:
-            pass
+        await post.writes()
         idle = await scrape(client)
     assert value(busy, PREFIX + "num_requests_running") == 1
     assert value(busy, PREFIX + "kv_cache_usage_perc") > 0
@@ -119,9 +123,9 @@ async def test_gauges_show_work_in_flight_and_return_to_zero(tiny_llama_dir):
 
 
 async def test_two_replicas_in_one_process_keep_separate_registries(tiny_llama_dir):
-    async with observed_replica(tiny_llama_dir, replica="a") as (client_a, _, _), \
-            observed_replica(tiny_llama_dir, replica="b") as (client_b, _, _):
-        r = await client_a.post("/v1/completions", headers={"Authorization": "Bearer secret"},
+    async with observed_replica(tiny_llama_dir, replica="a") as (client_a, _, _, _), \
+            observed_replica(tiny_llama_dir, replica="b") as (client_b, _, _, _):
+        r = await client_a.post("/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                                 json={"model": MODEL, "prompt": [9, 10], "max_tokens": 2})
         assert r.status_code == 200
         a, b = await scrape(client_a), await scrape(client_b)

@@ -1,8 +1,17 @@
-"""coalesce_stream: fewer writes, the same events, the first at once, and closing reaches the engine stream."""
+"""coalesce_stream: fewer writes, the same events, the first at once, and closing reaches the engine stream; and the
+replica app that the deployment and the tests build streams through it as its settings say."""
 
 import asyncio
+import json
 
 from app.api import StreamBatching, coalesce_stream
+from app.config import ServeArgs
+from app.deployment import build_replica_app
+from app.observability.replica import ReplicaObservability
+from tests.app.asgi_stream import StreamingPost
+from tests.app.fake_engine import FakeEngine
+
+MODEL = "fake-model"
 
 
 class Events:
@@ -90,3 +99,27 @@ def test_open_streams_are_counted_while_they_run():
         return during, batching.active
 
     assert asyncio.run(run()) == (1, 0)
+
+
+async def test_the_replica_app_batches_its_streams_as_its_settings_say():
+    engine = FakeEngine()
+
+    async def stream_writes(**settings) -> list[bytes]:
+        app = build_replica_app(engine, ServeArgs(model=MODEL, **settings), ReplicaObservability(engine, MODEL))
+        post = StreamingPost(app, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8,
+                                                      "temperature": 0, "stream": True})
+        assert await post.status() == 200
+        return await post.writes()
+
+    def events(writes: list[bytes]) -> list[str]:
+        frames = b"".join(writes).decode().split("\n\n")[:-1]
+        return [json.loads(f[len("data: "):])["choices"][0]["text"] if f != "data: [DONE]" else "[DONE]"
+                for f in frames]
+
+    # an interval longer than the test: the first event at once, then the other 7 and [DONE] in one write
+    batched = await stream_writes(stream_interval_ms=3_600_000, max_stream_writes_per_s=0)
+    assert [w.count(b"data: ") for w in batched] == [1, 8]
+    each = await stream_writes(stream_interval_ms=0, max_stream_writes_per_s=0)
+    assert [w.count(b"data: ") for w in each] == [1] * 9
+    assert events(batched) == events(each)
+    assert ServeArgs().stream_interval_ms > 0  # what replicas run with unless told otherwise

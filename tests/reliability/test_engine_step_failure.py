@@ -1,9 +1,9 @@
 """An exception in an engine step: every request in flight ends at once with an error, and /health and new
 requests answer 503 with Retry-After in OpenAI's error shape, never a hang.
 
-In process, without Ray: the real AsyncLLMEngine on the tiny model behind the real routes. The fault is
-injected by replacing that engine's `step` for the test (no production flag), as a device error would
-surface: an exception out of `step()` on the loop thread.
+In process, without Ray: the real AsyncLLMEngine on the tiny model behind the replica's app
+(build_replica_app). The fault is injected by replacing that engine's `step` for the test (no production
+flag), as a device error would surface: an exception out of `step()` on the loop thread.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from app.api import build_api
-from app.serving import OpenAIServing
+from app.config import ServeArgs
+from app.deployment import build_replica_app
+from app.observability.replica import ReplicaObservability
 from engine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
 from engine.llm_engine import LLMEngine
 
@@ -40,7 +41,8 @@ def fail_steps_when(engine: AsyncLLMEngine, condition: Callable[[LLMEngine], boo
 @pytest.fixture
 async def served(tiny_llama_dir):
     engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256))
-    app = build_api(OpenAIServing(engine, MODEL, max_waiting_requests=16))
+    settings = ServeArgs(model=str(tiny_llama_dir), served_model_name=MODEL, max_waiting_requests=16)
+    app = build_replica_app(engine, settings, ReplicaObservability(engine, MODEL))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         yield engine, client
     await asyncio.to_thread(engine.shutdown)

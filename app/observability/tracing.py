@@ -16,15 +16,13 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-if TYPE_CHECKING:
-    from app.observability import RequestRecord
+from app.observability.records import RequestRecord
 
 logger = logging.getLogger("shardserve.tracing")
 
@@ -51,8 +49,9 @@ class RequestTracer:
         self.replica_id = replica_id
         self.tensor_parallel_size = tensor_parallel_size
 
-    def record(self, r: RequestRecord, parent: otel_context.Context | None, end_time: float | None = None) -> None:
-        """Emit the SERVER span `<operation> <model>` and its children; `end_time` defaults to now."""
+    def record(self, r: RequestRecord, end_time: float | None = None) -> None:
+        """Emit the SERVER span `<operation> <model>` and its children under `r.trace_context`; `end_time`
+        defaults to now."""
         end = max(end_time if end_time is not None else time.time(), r.finished_time)
         start = min(r.received_time or r.arrival_time, r.arrival_time)
         attributes = {
@@ -75,7 +74,7 @@ class RequestTracer:
         }
         if r.time_to_first_token is not None:
             attributes["gen_ai.server.time_to_first_token"] = r.time_to_first_token
-        server = self.tracer.start_span(f"{r.operation} {r.model}", context=parent, kind=SpanKind.SERVER,
+        server = self.tracer.start_span(f"{r.operation} {r.model}", context=r.trace_context, kind=SpanKind.SERVER,
                                         attributes=attributes, start_time=_ns(start))
         if "abort" in r.finish_reasons:
             server.set_status(Status(StatusCode.ERROR, "aborted before it finished"))

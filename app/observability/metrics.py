@@ -1,9 +1,9 @@
 """Prometheus metrics of one replica, named like vLLM's (`shardserve:` for `vllm:`), served at /metrics.
 
-Request counters and histograms are recorded when a request ends (app/tracing.py ObservedEngine hands over its
-RequestRecord). Engine gauges and counters (queue depth, KV usage, preemptions, prefix cache, tokens per step)
-are read from the engine at scrape time, so an idle replica reports 0 running and 0 waiting. Each replica owns
-its CollectorRegistry: two apps in one process never share series.
+Request counters and histograms are recorded when a request ends (app/observability/replica.py hands over its
+RequestRecord, app/observability/records.py). Engine gauges and counters (queue depth, KV usage, preemptions,
+prefix cache, tokens per step) are read from the engine at scrape time, so an idle replica reports 0 running and
+0 waiting. Each replica owns its CollectorRegistry: two apps in one process never share series.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
@@ -19,8 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from app.observability import RequestRecord
+from app.observability.records import RequestRecord
 
 logger = logging.getLogger("shardserve.metrics")
 
