@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from bench.run import BenchArgs
 from app.cli import build_parser
 from app.config import ServeArgs
+from bench.run import BenchArgs
 
 
 def subcommand(*path: str) -> argparse.ArgumentParser:
