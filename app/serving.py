@@ -107,8 +107,11 @@ class OpenAIServing:
                 "Retry later."
             )
 
-    def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+    def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                          logprobs: int | None) -> SamplingParams:
+        """The request's sampling fields, with the server's defaults for those left out. What depends on the
+        model (the context length, the vocabulary) the engine checks, once (engine/validation.py); max_tokens
+        None asks for the rest of the context."""
         fields = {
             "n": req.n,
             "max_tokens": max_tokens,
@@ -139,25 +142,6 @@ class OpenAIServing:
     def _or_default(self, value: float | None, name: str) -> float:
         return self.default_sampling[name] if value is None else value
 
-    def _check_length(self, prompt: Prompt, max_tokens: int | None, param: str) -> int:
-        """The max_tokens to ask for: the client's, or what is left of the context."""
-        limit = self.engine.max_model_len
-        num_prompt = len(prompt.token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("The prompt is empty: send at least one token.", param=param)
-        if max_tokens is None:
-            if num_prompt >= limit:
-                raise InvalidRequestError(
-                    f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                    f"{num_prompt} tokens. Please shorten the prompt.", param=param)
-            return limit - num_prompt
-        if max_tokens >= 1 and num_prompt + max_tokens > limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
-                "Please reduce the prompt or max_tokens.", param="max_tokens")
-        return max_tokens
-
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
@@ -181,9 +165,6 @@ class OpenAIServing:
             if isinstance(item, str):
                 prompts.append(Prompt(item, self.tokenizer.encode(item)))
             else:
-                vocab = self.engine.model_config.vocab_size
-                if any(t < 0 or t >= vocab for t in item):
-                    raise InvalidRequestError(f"Token ids must be in [0, {vocab}).", param="prompt")
                 prompts.append(Prompt(None, list(item)))
         return prompts
 
@@ -211,8 +192,7 @@ class OpenAIServing:
             raise InvalidRequestError("suffix is not supported.", param="suffix")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = self._completion_prompts(req)
-        params = [self._sampling_params(req, self._check_length(p, req.max_tokens, "prompt"), req.logprobs)
-                  for p in prompts]
+        params = [self._sampling_params(req, req.max_tokens, req.logprobs)] * len(prompts)
         logger.info("%s: %d prompt(s), n=%d, stream=%s", request_id, len(prompts), req.n, req.stream)
         self.check_capacity()
         deltas = await start_generation(self.engine, request_id, prompts, params,
@@ -305,14 +285,18 @@ class OpenAIServing:
             raise InvalidRequestError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = self._chat_prompt(req)
-        max_tokens = self._check_length(
-            prompt, req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens, "messages")
+        max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         num_top = req.top_logprobs or 0
         params = self._sampling_params(req, max_tokens, num_top if req.logprobs else None)
         logger.info("%s: %d message(s), n=%d, stream=%s", request_id, len(req.messages), req.n, req.stream)
         self.check_capacity()
-        deltas = await start_generation(self.engine, request_id, [prompt], [params],
-                                        RequestContext("chat", self.served_model_name), self.on_request_finished)
+        try:
+            deltas = await start_generation(self.engine, request_id, [prompt], [params],
+                                            RequestContext("chat", self.served_model_name), self.on_request_finished)
+        except InvalidRequestError as e:
+            if e.param != "prompt":
+                raise
+            raise InvalidRequestError(e.message, param="messages") from None  # a chat's prompt is its messages
         states = [ChoiceState() for _ in range(req.n)]
         if req.stream:
             return self._chat_stream(req, request_id, prompt, states, num_top, deltas)

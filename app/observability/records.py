@@ -40,7 +40,7 @@ class RequestRecord:
     num_prompt_tokens: int
     num_output_tokens: int  # over all choices
     num_cached_tokens: int
-    max_tokens: int
+    max_tokens: int | None  # as the client asked; None: the rest of the context
     temperature: float
     top_p: float
     finish_reasons: list[str]

@@ -59,7 +59,6 @@ class RequestTracer:
             "gen_ai.system": "shardserve",
             "gen_ai.request.model": r.model,
             "gen_ai.response.model": r.model,
-            "gen_ai.request.max_tokens": r.max_tokens,
             "gen_ai.request.temperature": r.temperature,
             "gen_ai.request.top_p": r.top_p,
             "gen_ai.usage.input_tokens": r.num_prompt_tokens,
@@ -72,6 +71,8 @@ class RequestTracer:
             "shardserve.num_cached_tokens": r.num_cached_tokens,
             "shardserve.num_preemptions": len(r.preemptions),
         }
+        if r.max_tokens is not None:  # left out by the client: the rest of the context
+            attributes["gen_ai.request.max_tokens"] = r.max_tokens
         if r.time_to_first_token is not None:
             attributes["gen_ai.server.time_to_first_token"] = r.time_to_first_token
         server = self.tracer.start_span(f"{r.operation} {r.model}", context=r.trace_context, kind=SpanKind.SERVER,

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from engine.errors import InvalidRequestError
 from engine.sequence import RequestMetrics
+from engine.validation import check_request
 
 
 class ByteTokenizer:
@@ -86,8 +86,7 @@ class FakeEngine:
         if self.fail_with is not None:
             error, self.fail_with = self.fail_with, None
             raise error
-        if len(prompt_token_ids) + sp.max_tokens > self.max_model_len:
-            raise InvalidRequestError("too long (engine)", param="max_tokens")
+        sp = check_request(prompt_token_ids, sp, self.max_model_len, self.model_config.vocab_size)  # the engine's rules
         self.request_ids.append(request_id)
         self.sampling_params.append(sp)
         texts = [""] * sp.n

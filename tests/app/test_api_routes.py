@@ -200,6 +200,22 @@ async def test_prompt_plus_max_tokens_over_context_names_both_numbers(client):
     assert "64" in message and "65" in message and "60" in message
 
 
+async def test_a_chat_whose_messages_fill_the_context_names_messages(client):
+    long = "x" * 80  # the byte tokenizer: over the fake engine's 64-token context
+    r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": long}]})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages" and "maximum context length is 64 tokens" in error["message"]
+
+
+async def test_without_max_tokens_a_chat_runs_to_the_end_of_the_context(client):
+    r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 40}]})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
 async def test_malformed_json_is_400(client):
     r = await client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400
