@@ -64,7 +64,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_mixed_steps = 0  # steps where a prefill chunk shared the batch with decodes
-        # (step number, tokens computed) of the latest steps: app/metrics.py's tokens-per-step histogram
+        # (step number, tokens computed) of the latest steps: app/observability/metrics.py's tokens-per-step histogram
         self.recent_steps: deque[tuple[int, int]] = deque(maxlen=RECENT_STEPS)
 
     @property

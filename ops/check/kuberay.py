@@ -56,7 +56,7 @@ def check_serve_config(config: Any, where: str) -> tuple[list[Finding], list[Ser
         endpoint = args.otlp_traces_endpoint
         if endpoint not in (None, "console") and urlsplit(endpoint).scheme not in ("http", "https", "grpc"):
             findings.append(Finding("serve-args", where, f"application {name!r}: otlp_traces_endpoint {endpoint!r} must be "
-                                    "http(s)://host:4318/v1/traces, grpc://host:4317 or console (app/tracing.py)"))
+                                    "http(s)://host:4318/v1/traces, grpc://host:4317 or console (app/observability/tracing.py)"))
     return findings, parsed
 
 
