@@ -1,0 +1,208 @@
+"""PrefixAwareRouter: Ray Serve request routing by cached prompt prefix, bounded by replica load (issue 17).
+
+Policy. A request carries its prompt's chained block hashes (RoutedRequest, the first positional argument
+of the handle call). In mode `prefix` the router asks its PrefixIndex how many leading blocks of the prompt
+each replica was sent before. Among replicas with at least `min_match_blocks` matched, longest match first,
+it takes the first whose load is at most the least load plus `max_imbalance` ("prefix_hit"); when every
+matching replica is busier than that, the least-loaded replica gets the request ("imbalance"). Without such
+a match, or in mode `load`, the least-loaded replica gets it ("least_loaded"; "no_stats" while no replica
+has reported engine stats, so load is only this router's own count of ongoing requests). Load is
+stats.replica_load: engine queue depth, then KV-cache usage, then the fewest remembered prefix blocks, so
+new prefixes spread. The router returns every candidate, one per rank, best first: Serve tries them in
+order, skips full ones and backs off when all are full, so routing never blocks and never fails on load
+("preferred_busy" when a later rank took the request). The prompt's blocks are recorded for the chosen
+replica at once, so a burst sharing a new prefix follows its first request, and again for the replica that
+accepted it. Each routed request makes one RoutingDecision, counted per (replica, reason) and passed to
+listeners. No FIFOMixin: with it a replica chosen for one request's prefix would go to whichever request is
+first in the queue; Serve's base matching gives it to the request it was chosen for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from app.routing.config import RoutingConfig
+from app.routing.prefix_index import PrefixIndex
+from app.routing.request import RoutedRequest
+from app.routing.stats import ReplicaLoad, replica_load
+
+logger = logging.getLogger("shardserve.routing")
+
+REASONS = ("prefix_hit", "least_loaded", "imbalance", "no_stats", "preferred_busy")
+MAX_PLANS = 10_000  # decisions awaiting their request's acceptance; a cancelled request's plan ages out
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """Where one request went and why: what metrics count and a span attribute reports."""
+
+    request_id: str
+    replica: str  # Serve's replica unique_id
+    reason: str  # one of REASONS
+    matched_blocks: int  # prompt blocks the chosen replica was already sent
+    queue_depth: float  # the chosen replica's load when the router chose
+
+
+@dataclass(frozen=True)
+class _Plan:
+    preferred: ReplicaID
+    reason: str
+    block_hashes: tuple[bytes, ...]
+    matched_blocks: dict[ReplicaID, int]  # replicas with a match only
+    queue_depths: dict[ReplicaID, float]
+
+
+def routed_block_hashes(pending_request: PendingRequest | None) -> tuple[bytes, ...]:
+    """The prompt's block hashes, when the call's first positional argument is a RoutedRequest."""
+    if pending_request is None or not pending_request.args:
+        return ()
+    first = pending_request.args[0]
+    return first.block_hashes if isinstance(first, RoutedRequest) else ()
+
+
+class PrefixAwareRouter(RequestRouter):
+    """Prefix affinity within a load bound; see the module docstring for the policy."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._configure(RoutingConfig(), decision_hook=None)
+
+    def initialize_state(self, routing: dict | None = None, decision_hook: str | None = None) -> None:
+        """Serve calls this with `request_router_kwargs`: the RoutingConfig as a dict, and an optional
+        "module:function" that receives every RoutingDecision (on the router's event loop thread)."""
+        self._configure(RoutingConfig(**(routing or {})), decision_hook)
+
+    def _configure(self, config: RoutingConfig, decision_hook: str | None) -> None:
+        if config.mode == "serve-default":
+            raise ValueError(
+                "routing mode serve-default means Serve's own router: leave request_router_config unset")
+        self.config = config
+        self.index: PrefixIndex[ReplicaID] = PrefixIndex(config.ttl_s, config.max_blocks_per_replica)
+        self.decision_counts: Counter[tuple[str, str]] = Counter()  # (replica unique_id, reason) -> requests
+        self._listeners: list[Callable[[RoutingDecision], None]] = []
+        if decision_hook:
+            self.add_decision_listener(_import_callable(decision_hook))
+        self._plans: OrderedDict[str, _Plan] = OrderedDict()  # internal request id -> the choice made
+
+    def add_decision_listener(self, listener: Callable[[RoutingDecision], None]) -> None:
+        self._listeners.append(listener)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        """Every candidate, one per rank, best first (never empty while there are candidates)."""
+        if pending_request is not None:
+            # Serve retries the ranks without sleeping unless told to back off; back off when all are full.
+            pending_request.routing_context.should_backoff = True
+        if not candidate_replicas:
+            return []
+        now = self._get_curr_time_s()
+        loads = {
+            r.replica_id: replica_load(r.routing_stats, self._replica_queue_len_cache.get(r.replica_id))
+            for r in candidate_replicas
+        }
+        by_load = sorted(candidate_replicas,
+                         key=lambda r: self._load_order(r.replica_id, loads[r.replica_id]))
+        block_hashes = routed_block_hashes(pending_request) if self.config.mode == "prefix" else ()
+        lengths = self.index.match_lengths(block_hashes, now, loads) if block_hashes else {}
+        chosen, reason = self._decide(by_load, loads, lengths)
+        if block_hashes:
+            self.index.insert(chosen.replica_id, block_hashes, now)
+        if pending_request is not None:
+            queue_depths = {replica_id: load.queue_depth for replica_id, load in loads.items()}
+            self._remember(pending_request,
+                           _Plan(chosen.replica_id, reason, block_hashes, lengths, queue_depths))
+        return [[chosen]] + [[r] for r in by_load if r is not chosen]
+
+    def _load_order(self, replica_id: ReplicaID, load: ReplicaLoad) -> tuple[float, float, int]:
+        return load.queue_depth, load.kv_cache_usage, self.index.num_blocks(replica_id)
+
+    def _decide(
+        self,
+        by_load: list[RunningReplica],
+        loads: dict[ReplicaID, ReplicaLoad],
+        lengths: dict[ReplicaID, int],
+    ) -> tuple[RunningReplica, str]:
+        least_loaded = by_load[0]
+        matching = [r for r in by_load if lengths.get(r.replica_id, 0) >= self.config.min_match_blocks]
+        matching.sort(key=lambda r: -lengths[r.replica_id])  # stable: equal matches stay in load order
+        bound = loads[least_loaded.replica_id].queue_depth + self.config.max_imbalance
+        for replica in matching:
+            if loads[replica.replica_id].queue_depth <= bound:
+                return replica, "prefix_hit"
+        if matching:
+            reason = "imbalance"
+        elif any(load.reported for load in loads.values()):
+            reason = "least_loaded"
+        else:
+            reason = "no_stats"
+        return least_loaded, reason
+
+    def _remember(self, pending_request: PendingRequest, plan: _Plan) -> None:
+        key = pending_request.metadata.internal_request_id
+        self._plans.pop(key, None)
+        self._plans[key] = plan
+        while len(self._plans) > MAX_PLANS:
+            self._plans.popitem(last=False)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        """A replica accepted the request: record its prefix there and report the decision."""
+        plan = self._plans.pop(pending_request.metadata.internal_request_id, None)
+        if plan is None:
+            return
+        if plan.block_hashes:
+            self.index.insert(replica_id, plan.block_hashes, self._get_curr_time_s())
+        reason = plan.reason if replica_id == plan.preferred else "preferred_busy"
+        self.decision_counts[(replica_id.unique_id, reason)] += 1
+        decision = RoutingDecision(
+            pending_request.metadata.request_id, replica_id.unique_id, reason,
+            plan.matched_blocks.get(replica_id, 0), plan.queue_depths.get(replica_id, 0.0))
+        for listener in self._listeners:
+            try:
+                listener(decision)
+            except Exception:  # a metrics hook must never break routing
+                logger.exception("routing decision listener %r failed", listener)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new replica set; replicas that left leave the index and the counts."""
+        super().update_replicas(replicas)
+        for gone in self.index.replicas() - self._replica_id_set:
+            self.index.remove_replica(gone)
+        self._drop_counts_of_replicas_not_in(self._replica_id_set)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.index.remove_replica(replica_id)
+        self._drop_counts_of_replicas_not_in(self._replica_id_set)
+
+    def _drop_counts_of_replicas_not_in(self, replica_ids: set[ReplicaID]) -> None:
+        live = {replica_id.unique_id for replica_id in replica_ids}
+        for key in [key for key in self.decision_counts if key[0] not in live]:
+            del self.decision_counts[key]
+
+
+def request_router_config(
+    config: RoutingConfig, decision_hook: str | None = None
+) -> RequestRouterConfig | None:
+    """The deployment's `request_router_config` for these settings; None for serve-default (Serve's own)."""
+    if config.mode == "serve-default":
+        return None
+    kwargs: dict = {"routing": config.model_dump()}
+    if decision_hook:
+        kwargs["decision_hook"] = decision_hook
+    return RequestRouterConfig(request_router_class=PrefixAwareRouter, request_router_kwargs=kwargs,
+                               request_routing_stats_period_s=config.stats_period_s)
+
+
+def _import_callable(path: str) -> Callable[[RoutingDecision], None]:
+    module_name, _, attr = path.partition(":")
+    if not attr:
+        module_name, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module_name), attr)
