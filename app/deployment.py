@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -19,7 +20,7 @@ from ray.serve import Application
 from app.api import StreamBatching, build_api, engine_stats_dict
 from app.autoscaling import QUEUE_DEPTH_METRIC, autoscaling_config
 from app.config import ServeArgs
-from app.drain import DrainGate, DrainState, ReplicaDrain
+from app.drain import POLL_S, DrainGate, DrainState, ReplicaDrain
 from app.errors import RETRY_AFTER_S
 from app.observability.replica import ReplicaObservability
 from app.serving import OpenAIServing
@@ -34,6 +35,8 @@ RAY_METRICS_INTERVAL_S = 5.0  # how often a replica copies its Prometheus metric
 # how often Serve's own drain of a stopping replica counts its ongoing requests (Serve's default, 2 s, is also
 # the least time an idle replica takes to stop)
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
+# after the engine died, how long open requests get to write their error event before the replica exits
+DEAD_ENGINE_EXIT_GRACE_S = 2.0
 
 
 def served_model_name(args: ServeArgs) -> str:
@@ -133,9 +136,11 @@ class LLMServer:
             from engine.demo_model import ensure_demo_model
 
             model_dir = str(ensure_demo_model())  # SmolLM2-135M-Instruct, fetched once into the cache
-        self.engine = AsyncLLMEngine(self.args.engine_config(model_dir))
-        # graceful shutdown under the CLI (app/drain.py); without its coordinator, `drain` is None
+        # open HTTP requests, and graceful shutdown under the CLI (app/drain.py; without its coordinator,
+        # `drain` is None)
         self.drain_state = DrainState()
+        self.engine = AsyncLLMEngine(self.args.engine_config(model_dir),
+                                     on_dead=lambda reason: exit_replica_after_dead_engine(self.drain_state, reason))
         self.drain = ReplicaDrain.attach(_app_name(), _replica_id(), self.drain_state, self.engine.abort_all)
         # tracing and /metrics: one TracerProvider and one Prometheus registry per replica (app/observability/)
         self.observability = ReplicaObservability(self.engine, served_model_name(self.args), _replica_id(),
@@ -175,6 +180,20 @@ class LLMServer:
         observability = getattr(self, "observability", None)
         if observability is not None:
             observability.shutdown()
+
+
+def exit_replica_after_dead_engine(state: DrainState, reason: str,
+                                   grace_s: float = DEAD_ENGINE_EXIT_GRACE_S) -> None:
+    """The engine died (its loop thread runs this after every stream got its error event): a replica without
+    an engine serves nothing, so its process exits, and Serve, which notices a dead replica at once, starts a
+    new one then rather than after three failed health checks (as vLLM's server exits when its engine dies).
+    Requests still open (their error events on the way out) get up to `grace_s` to end first."""
+    deadline = time.monotonic() + grace_s
+    while state.in_flight and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    logger.error("the engine died (%s): this replica exits so that Serve replaces it now", reason)
+    logging.shutdown()
+    os._exit(1)
 
 
 def build_app(args: ServeArgs) -> Application:

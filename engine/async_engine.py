@@ -29,7 +29,7 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig, SamplingParams
@@ -85,7 +85,8 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 class _EngineLoop:
     """The loop thread's side: the engine it builds and steps, the inbox it drains, the streams it feeds."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, on_dead: Callable[[str], None] | None = None):
+        self.on_dead = on_dead
         self.inbox: deque[InboxMessage] = deque()
         self.wakeup = threading.Event()
         self.streams: dict[str, _Stream] = {}
@@ -167,6 +168,8 @@ class _EngineLoop:
             self.engine.shutdown()
         except Exception:  # noqa: BLE001 — nobody is left to raise it to
             logger.exception("engine shutdown failed")
+        if self.error is not None and self.on_dead is not None:
+            self.on_dead(self.death_reason)
 
     def _drain_inbox(self) -> None:
         while self.inbox:
@@ -210,8 +213,10 @@ class _EngineLoop:
 class AsyncLLMEngine:
     """The engine for serving: requests in as `generate` streams, from any event loop."""
 
-    def __init__(self, config: EngineConfig):
-        self._engine_loop = _EngineLoop(config)
+    def __init__(self, config: EngineConfig, on_dead: Callable[[str], None] | None = None):
+        """`on_dead(reason)` runs on the loop thread when a failure (not a shutdown) has ended the loop, after
+        every open stream got its error and the engine was released."""
+        self._engine_loop = _EngineLoop(config, on_dead)
         # registered after the build, so at exit it runs before the executor's own finalizer
         self._stop = weakref.finalize(self, self._engine_loop.stop)
 

@@ -41,6 +41,20 @@ def replica_actor(app: str, deadline_s: float = 0.0) -> dict:
         time.sleep(PROBE_INTERVAL_S)
 
 
+def death_cause_of(actor_id: str, deadline_s: float) -> str:
+    """Wait (up to deadline_s) for the actor to be dead; Ray's account of why, as text (a worker process that
+    exited by itself reads WORKER_DIED, one that Serve's controller removed reads RAY_KILL)."""
+    from ray._private import state
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        actor = state.actors().get(actor_id)
+        if actor is not None and actor["State"] == "DEAD":
+            return str(actor["DeathCause"])
+        assert time.monotonic() < deadline, f"actor {actor_id} is still {actor and actor['State']}"
+        time.sleep(PROBE_INTERVAL_S)
+
+
 def break_engine_steps(replica: dict) -> None:
     """From now on every step of this replica's engine raises, as a device error would (test-only: the
     function runs inside the replica's process through Ray's `__ray_call__`, and reaches the LLMServer

@@ -114,3 +114,19 @@ async def test_a_request_that_passed_the_running_check_as_the_loop_died_is_refus
     finally:
         monkeypatch.undo()
         engine.shutdown()
+
+
+async def test_on_dead_hears_of_a_failure_once_and_never_of_a_shutdown(tiny_llama_dir):
+    told: list[str] = []
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256)
+    engine = AsyncLLMEngine(config, on_dead=told.append)
+    fail_steps_when(engine, lambda e: True)
+    with pytest.raises(EngineDeadError):
+        async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=4), "doomed"):
+            pass
+    await asyncio.to_thread(engine.loop_thread.join, ANSWER_TIMEOUT_S)  # on_dead runs as the loop leaves
+    assert len(told) == 1 and "injected device failure" in told[0]
+
+    shut_down = AsyncLLMEngine(config, on_dead=told.append)
+    await asyncio.to_thread(shut_down.shutdown)
+    assert len(told) == 1

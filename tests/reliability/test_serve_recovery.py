@@ -1,5 +1,6 @@
-"""A replica whose engine or process dies: the client learns at once (never a hang), the dead replica answers
-503 with Retry-After until Serve's health check takes it out, and Serve brings a healthy one back.
+"""A replica whose engine or process dies: the client learns at once (never a hang), a replica whose engine
+died exits by itself once its requests have their error (it serves nothing any more), and Serve brings a
+healthy one back.
 
 The tiny model behind the session's Serve cluster (127.0.0.1 only), one application per fault. Faults are
 SIGKILLs of processes this cluster started: a tensor-parallel worker actor, or the replica itself. Recovery
@@ -23,6 +24,7 @@ from tests.app.conftest import SERVED_NAME, tiny_serve_args
 from tests.reliability.chaos import (
     PROBE_TIMEOUT_S,
     completion_body,
+    death_cause_of,
     replica_actor,
     seconds_to_first_success,
     stream_cut_by,
@@ -69,7 +71,8 @@ def test_a_tp_worker_killed_mid_stream_fails_the_stream_at_once_and_serve_replac
     app = "chaos-tp-worker"
     base = deploy(serve_cluster, tiny_llama_dir, app, tensor_parallel_size=2)
     try:
-        [worker] = tp_worker_actors(replica_actor(app))
+        replica = replica_actor(app)
+        [worker] = tp_worker_actors(replica)
         killed_at: list[float] = []
         with ThreadPoolExecutor(1) as pool:
             plain = pool.submit(httpx.post, f"{base}/v1/completions", json=completion_body(SERVED_NAME, LONG_STREAM_TOKENS),
@@ -85,10 +88,10 @@ def test_a_tp_worker_killed_mid_stream_fails_the_stream_at_once_and_serve_replac
         assert (end.error["type"], end.error["code"]) == ("service_unavailable_error", "engine_dead"), end
         assert "worker rank 1 died" in end.error["message"]
         assert_503_with_retry_after(plain_answer, "engine_dead")  # the request in flight without a stream
-        # the replica stays up until Serve's third failed health check (about 3 s): it refuses for itself
-        assert httpx.get(f"{base}/health", timeout=10).status_code == 503
-        refused = httpx.post(f"{base}/v1/completions", json=completion_body(SERVED_NAME, 4), timeout=10)
-        assert_503_with_retry_after(refused, "engine_dead")
+        # the replica's process exits by itself (app/deployment.py: exit_replica_after_dead_engine) rather than
+        # waiting for three failed health checks, after which Serve's controller would kill it
+        cause = death_cause_of(replica["ActorID"], PROBE_TIMEOUT_S)
+        assert "WORKER_DIED" in cause and "RAY_KILL" not in cause, cause
 
         # a 200 can only come from a new replica: this one's engine is gone for good
         record_recovery(base, end, killed_at[0], figures)
