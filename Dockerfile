@@ -18,7 +18,7 @@ COPY --chown=ray:users . .
 # Ray itself is already installed at the pinned version, which satisfies ray[serve]>=2.40,<3.
 # The server's extra only: the `bench` extra (load-test client, matplotlib) stays out of the image.
 RUN pip install ".[serve]" \
-    && python -c "import app.config, engine.config, ray; print('ray', ray.__version__)"
+    && python -c "import app.cli, engine.config, ray; print('ray', ray.__version__)"
 
 EXPOSE 8000
 CMD ["shardserve", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -17,24 +17,14 @@ import types
 import typing
 from typing import Any
 
-from pydantic.fields import FieldInfo
-
 from app.config import ServeArgs
+from bench.flags import flag_help
 
 logger = logging.getLogger("shardserve.cli")
 
 APP_NAME = "shardserve"
 # Flags vLLM users expect that are spelled differently in ServeArgs.
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}
-
-
-def flag_help(field: FieldInfo) -> str:
-    """A flag's help line: its settings field's description (configs and the CLI share it), and its default."""
-    text = field.description or ""
-    if "(default:" not in text:  # a description says itself what an unset value means
-        default = field.get_default(call_default_factory=True)
-        text += f" (default: {','.join(map(str, default)) if isinstance(default, list) else default})"
-    return text.replace("%", "%%")  # argparse formats help with %
 
 
 def _flag_type(annotation: Any) -> tuple[Any, list | None]:

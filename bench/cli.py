@@ -11,20 +11,9 @@ import argparse
 import asyncio
 import sys
 
-from pydantic.fields import FieldInfo
-
+from bench.flags import flag_help
 from bench.report import format_ratios, format_table, plot, read_csvs
 from bench.run import BenchArgs, run_bench
-
-
-# The twin of app.cli.flag_help, so `shardserve bench --help` reads like `serve --help`; bench imports no app code.
-def _flag_help(field: FieldInfo) -> str:
-    """A flag's help line: its BenchArgs field's description, and its default."""
-    text = field.description or ""
-    if "(default:" not in text:  # a description says itself what an unset value means
-        default = field.get_default(call_default_factory=True)
-        text += f" (default: {','.join(map(str, default)) if isinstance(default, list) else default})"
-    return text.replace("%", "%%")  # argparse formats help with %
 
 
 def _int_list(text: str) -> list[int]:
@@ -45,7 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     defaults = BenchArgs()
 
     def flag(*names: str, field: str, **kwargs) -> None:
-        parser.add_argument(*names, dest=field, help=_flag_help(BenchArgs.model_fields[field]), **kwargs)
+        parser.add_argument(*names, dest=field, help=flag_help(BenchArgs.model_fields[field]), **kwargs)
 
     flag("--base-url", field="base_url", default=defaults.base_url)
     flag("--model", field="model")
