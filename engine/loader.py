@@ -12,7 +12,8 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.gguf import find_gguf_file, gguf_checkpoint_tensors, load_gguf_tokenizer
+from engine.gguf import find_gguf_file
+from engine.gguf_cache import unpacked_tensors, unpacked_tokenizer
 from engine.models import CausalLM, model_class_for
 from kernels.backend import KernelBackend
 from parallel.layers import CheckpointTensor, ShardShapeError
@@ -67,7 +68,7 @@ def load_model(
     params = dict(model.named_parameters())  # a tied lm_head shares the embedding: not listed
     expected = {ckpt: param for param in params for ckpt in param_to_checkpoint(param)}
     loaded: set[str] = set()
-    for source, name, tensor in checkpoint_tensors(model_path, model_config):
+    for source, name, tensor in checkpoint_tensors(model_path, model_config, dtype):
         if name not in expected:
             if not _IGNORED.search(name) and not (
                 model_config.tie_word_embeddings and name == "lm_head.weight"
@@ -93,14 +94,15 @@ def load_model(
 
 
 def checkpoint_tensors(
-    model_path: str | Path, model_config: ModelConfig
+    model_path: str | Path, model_config: ModelConfig, dtype: torch.dtype
 ) -> Iterator[tuple[str, str, CheckpointTensor]]:
-    """(where it came from, Hugging Face name, tensor or safetensors slice) for every checkpoint tensor."""
+    """(where it came from, Hugging Face name, tensor or safetensors slice) for every checkpoint tensor.
+    A GGUF file's come from its weights unpacked in `dtype`, the serving dtype (engine/gguf_cache.py),
+    or dequantized from the file on its first load."""
     if (gguf_file := find_gguf_file(model_path)) is not None:
-        for gguf_name, name, tensor in gguf_checkpoint_tensors(
-            gguf_file, model_config.num_attention_heads, model_config.num_key_value_heads
-        ):
-            yield f"{gguf_name} in {gguf_file.name}", name, tensor
+        yield from unpacked_tensors(
+            gguf_file, model_config.num_attention_heads, model_config.num_key_value_heads, dtype
+        )
         return
     for file in safetensors_files(model_path):
         with safe_open(str(file), framework="pt", device="cpu") as checkpoint:
@@ -128,7 +130,7 @@ def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
     if (gguf_file := find_gguf_file(model_dir)) is not None:
-        return load_gguf_tokenizer(gguf_file)
+        return unpacked_tokenizer(gguf_file)
     path = Path(model_dir)
     if not path.is_dir():
         raise ModelLoadError(f"tokenizer directory {str(path)!r} does not exist")

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine.config import ModelConfig
-from engine.gguf import gguf_checkpoint_tensors, load_gguf_tokenizer
+from engine.gguf import gguf_checkpoint_tensors
+from engine.gguf_cache import unpacked_tokenizer
 
 HF_MODEL_TYPES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                   "qwen3": ("qwen3", "Qwen3ForCausalLM")}
@@ -61,7 +62,7 @@ def convert(gguf_file: Path, out: Path, dtype: str = "bfloat16") -> Path:
     (out / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=2))
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": _eos(config)}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    load_gguf_tokenizer(gguf_file).save_pretrained(str(out))
+    unpacked_tokenizer(gguf_file).save_pretrained(str(out))
     return out
 
 

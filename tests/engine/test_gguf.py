@@ -24,6 +24,14 @@ Q = gguf.GGMLQuantizationType
 ROWS, COLS = 6, 512  # two 256-wide super-blocks per row for the K-quants
 
 
+@pytest.fixture(autouse=True)
+def gguf_cache_root(tmp_path, monkeypatch) -> Path:
+    """Each test unpacks its GGUF files (engine/gguf_cache.py) into its own cache folder, not the user's."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SHARDSERVE_CACHE", str(root))
+    return root
+
+
 def one_tensor_gguf(path: Path, name: str, raw: np.ndarray, qtype: Q, arch: str = "llama") -> Path:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_tensor(name, raw, raw_dtype=qtype)

@@ -1,5 +1,6 @@
 """The demo model, a real trained checkpoint (SmolLM2-135M-Instruct, Q4_1 GGUF): greedy output equals
-transformers loading the same file, batched and under chunked prefill, and it knows its geography."""
+transformers loading the same file, batched and under chunked prefill, and it knows its geography; so
+does an engine that loads it from its unpacked cache (engine/gguf_cache.py) without reading the file."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.demo_model import unpack_demo_model
+from engine.gguf import model_config_fields
+from engine.gguf_cache import unpack_gguf, unpacked_dir
+from tests.engine.test_gguf_cache import forbid_reading_the_gguf
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -16,6 +21,15 @@ QUESTIONS = [
     "Explain recursion in one sentence.",
 ]
 MAX_NEW = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gguf_cache_root(smollm2_gguf, tmp_path_factory):
+    """The demo model unpacks into a folder of this module's, not the user's cache (the file itself is
+    found first, where `make install` put it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SHARDSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -62,5 +76,26 @@ def test_greedy_chat_answers_equal_transformers_batched_and_chunked(smollm2_gguf
         assert "Paris" in outputs[0].outputs[0].text
         stats = llm.engine.stats()
         assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_the_install_step_unpacks_what_auto_dtype_serves(smollm2_gguf):
+    folder = unpack_demo_model(smollm2_gguf)
+    config = ModelConfig.from_pretrained(smollm2_gguf)
+    auto = str(EngineConfig(model=str(smollm2_gguf)).torch_dtype(config)).removeprefix("torch.")
+    assert folder == unpacked_dir(smollm2_gguf)
+    assert {"model_config.json", "tokenizer", f"weights-{auto}"} <= {p.name for p in folder.iterdir()}
+    assert config == ModelConfig(**model_config_fields(smollm2_gguf))
+
+
+def test_greedy_chat_answers_from_the_unpacked_cache_equal_transformers(smollm2_gguf, chat_prompts,
+                                                                        transformers_greedy, monkeypatch):
+    unpack_gguf(smollm2_gguf, torch.float32)  # already there when the test above ran first
+    forbid_reading_the_gguf(monkeypatch)
+    llm = LLM(model=str(smollm2_gguf), dtype="float32")
+    try:
+        outputs = llm.generate(chat_prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+        assert [list(o.outputs[0].token_ids) for o in outputs] == transformers_greedy
     finally:
         llm.shutdown()
