@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.routing.config import RoutingConfig, RoutingMode
 from engine.config import EngineConfig
 
 SERVE_CPU_BATCHED_TOKENS = 2048
@@ -102,6 +103,14 @@ class ServeArgs(BaseModel):
         "router queue"))
     cpus_per_rank: float = Field(1.0, gt=0, description=(
         "logical CPUs that Ray reserves per rank (one placement-group bundle each)"))
+    # routing across replicas (app/routing/): only when there can be more than one replica
+    routing: RoutingMode = Field("prefix", description=RoutingConfig.model_fields["mode"].description)
+    routing_min_match_blocks: int = Field(1, ge=1, description=RoutingConfig.model_fields["min_match_blocks"].description)
+    routing_max_imbalance: int = Field(4, ge=0, description=RoutingConfig.model_fields["max_imbalance"].description)
+    routing_ttl_s: float = Field(300.0, gt=0, description=RoutingConfig.model_fields["ttl_s"].description)
+    routing_max_blocks_per_replica: int = Field(
+        16384, ge=1, description=RoutingConfig.model_fields["max_blocks_per_replica"].description)
+    routing_stats_period_s: float = Field(1.0, gt=0, description=RoutingConfig.model_fields["stats_period_s"].description)
     # recovery: Serve replaces a replica after 3 failed health checks in a row (a dead engine fails at once)
     health_check_period_s: float = Field(HEALTH_CHECK_PERIOD_S, gt=0, description=(
         "seconds between Serve's health checks of a replica; a replica whose engine died is replaced after "
@@ -119,6 +128,16 @@ class ServeArgs(BaseModel):
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
         return self
+
+    def routing_config(self) -> RoutingConfig | None:
+        """The router's settings, or None where Serve's own router serves: `--routing serve-default`, or a
+        deployment that never has more than one replica (a router then only costs time per request)."""
+        if self.routing == "serve-default" or (self.num_replicas or self.max_replicas) < 2:
+            return None
+        return RoutingConfig(mode=self.routing, min_match_blocks=self.routing_min_match_blocks,
+                             max_imbalance=self.routing_max_imbalance, ttl_s=self.routing_ttl_s,
+                             max_blocks_per_replica=self.routing_max_blocks_per_replica,
+                             block_size=self.block_size, stats_period_s=self.routing_stats_period_s)
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         """The EngineConfig each replica starts with."""

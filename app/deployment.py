@@ -23,6 +23,7 @@ from app.config import ServeArgs
 from app.drain import POLL_S, DrainGate, DrainState, ReplicaDrain
 from app.errors import RETRY_AFTER_S
 from app.observability.replica import ReplicaObservability
+from app.routing.stats import engine_routing_stats
 from app.serving import OpenAIServing
 
 if TYPE_CHECKING:
@@ -111,6 +112,11 @@ def deployment_options(args: ServeArgs) -> dict[str, Any]:
         "health_check_period_s": args.health_check_period_s,
         "health_check_timeout_s": args.health_check_timeout_s,
     }
+    routing = args.routing_config()
+    if routing is not None:
+        from app.routing.router import request_router_config  # imports Serve's router internals
+
+        options["request_router_config"] = request_router_config(routing)
     if args.num_replicas is not None:
         options["num_replicas"] = args.num_replicas
     else:
@@ -155,6 +161,10 @@ class LLMServer:
         """Queue depth for app/autoscaling.py: sequences waiting plus running in this replica's engine."""
         stats = self.engine.stats()
         return {QUEUE_DEPTH_METRIC: float(stats.num_waiting + stats.num_running)}
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """This replica's load for the request router (app/routing/stats.py): queue depth and KV-cache use."""
+        return engine_routing_stats(self.engine.stats())
 
     def engine_stats(self) -> dict[str, Any]:
         """This replica's EngineStats as a dict (for observability and tests)."""

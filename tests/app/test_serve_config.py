@@ -69,6 +69,18 @@ def test_autoscaling_config_is_used_unless_replicas_are_fixed():
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
 
 
+def test_the_request_router_serves_only_where_there_can_be_several_replicas():
+    assert "request_router_config" not in deployment_options(ServeArgs())  # one replica: Serve's own, no cost
+    assert "request_router_config" not in deployment_options(ServeArgs(num_replicas=2, routing="serve-default"))
+    routed = deployment_options(serve_args_from(build_parser().parse_args(
+        ["serve", "--max-replicas", "3", "--routing", "load", "--routing-max-imbalance", "2", "--block-size", "32"])))
+    config = routed["request_router_config"]
+    assert config.request_router_class.endswith("PrefixAwareRouter")
+    routing = config.request_router_kwargs["routing"]
+    assert (routing["mode"], routing["max_imbalance"], routing["block_size"]) == ("load", 2, 32)
+    assert config.request_routing_stats_period_s == ServeArgs().routing_stats_period_s
+
+
 class Ctx:
     def __init__(self, depths, queued=0, total=0, min_replicas=1, max_replicas=4):
         self.aggregated_metrics = {QUEUE_DEPTH_METRIC: dict(enumerate(depths))} if depths is not None else {}

@@ -57,6 +57,9 @@ async def test_replicas_follow_engine_queue_depth_up_and_back_down(serve_cluster
             load = [asyncio.create_task(keep_busy(http)) for _ in range(10)]
             try:
                 await wait_for(lambda: running_replicas("autoscale") == 2, 90, "a second replica under load")
+                # with several replicas possible, the request router (app/routing/) reads each one's load
+                load_report = await serve.get_deployment_handle("LLMServer", "autoscale").record_routing_stats.remote()
+                assert load_report["queue_depth"] >= 1 and 0 < load_report["kv_cache_usage"] <= 1
             finally:
                 for task in load:
                     task.cancel()
