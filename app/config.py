@@ -104,13 +104,13 @@ class ServeArgs(BaseModel):
     cpus_per_rank: float = Field(1.0, gt=0, description=(
         "logical CPUs that Ray reserves per rank (one placement-group bundle each)"))
     # routing across replicas (app/routing/): only when there can be more than one replica
-    routing: RoutingMode = Field("prefix", description=RoutingConfig.model_fields["mode"].description)
-    routing_min_match_blocks: int = Field(1, ge=1, description=RoutingConfig.model_fields["min_match_blocks"].description)
-    routing_max_imbalance: int = Field(4, ge=0, description=RoutingConfig.model_fields["max_imbalance"].description)
-    routing_ttl_s: float = Field(300.0, gt=0, description=RoutingConfig.model_fields["ttl_s"].description)
-    routing_max_blocks_per_replica: int = Field(
-        16384, ge=1, description=RoutingConfig.model_fields["max_blocks_per_replica"].description)
-    routing_stats_period_s: float = Field(1.0, gt=0, description=RoutingConfig.model_fields["stats_period_s"].description)
+    routing: RoutingMode = RoutingConfig.model_fields["mode"]
+    # RoutingConfig's own fields (default, bounds, help), flat with a routing_ prefix
+    routing_min_match_blocks: int = RoutingConfig.model_fields["min_match_blocks"]
+    routing_max_imbalance: int = RoutingConfig.model_fields["max_imbalance"]
+    routing_ttl_s: float = RoutingConfig.model_fields["ttl_s"]
+    routing_max_blocks_per_replica: int = RoutingConfig.model_fields["max_blocks_per_replica"]
+    routing_stats_period_s: float = RoutingConfig.model_fields["stats_period_s"]
     # recovery: Serve replaces a replica after 3 failed health checks in a row (a dead engine fails at once)
     health_check_period_s: float = Field(HEALTH_CHECK_PERIOD_S, gt=0, description=(
         "seconds between Serve's health checks of a replica; a replica whose engine died is replaced after "
