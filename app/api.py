@@ -126,6 +126,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"Internal server error: {type(e).__name__}", "InternalServerError")
 
 
+def api_key_matches(authorization: str, api_key: str) -> bool:
+    """Whether an `Authorization` header's value is `Bearer <api_key>`."""
+    scheme, _, key = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode())
+
+
 def build_api(serving: OpenAIServing, stream_batching: StreamBatching, api_key: str | None = None,
               max_request_body_bytes: int = 4 * 1024 * 1024) -> FastAPI:
     """The routes of one replica's HTTP app: OpenAI's over `serving`, plus /health, /version and engine stats.
@@ -138,11 +144,7 @@ def build_api(serving: OpenAIServing, stream_batching: StreamBatching, api_key: 
     engine = serving.engine
 
     async def require_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), api_key.encode()):
+        if api_key is not None and not api_key_matches(request.headers.get("authorization", ""), api_key):
             raise AuthenticationError("Incorrect API key provided: send `Authorization: Bearer <key>`.")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=error_responses(401))

@@ -108,9 +108,13 @@ class ServeArgs(BaseModel):
     # RoutingConfig's own fields (default, bounds, help), flat with a routing_ prefix
     routing_min_match_blocks: int = RoutingConfig.model_fields["min_match_blocks"]
     routing_max_imbalance: int = RoutingConfig.model_fields["max_imbalance"]
+    routing_max_imbalance_ratio: float = RoutingConfig.model_fields["max_imbalance_ratio"]
     routing_ttl_s: float = RoutingConfig.model_fields["ttl_s"]
     routing_max_blocks_per_replica: int = RoutingConfig.model_fields["max_blocks_per_replica"]
     routing_stats_period_s: float = RoutingConfig.model_fields["stats_period_s"]
+    ingress_replicas: int = Field(1, ge=1, description=(
+        "replicas of the ingress that routes requests by prompt (only with --routing prefix or load and more "
+        "than one engine replica); each keeps its own memory of the prefixes it sent"))
     # recovery: Serve replaces a replica after 3 failed health checks in a row (a dead engine fails at once)
     health_check_period_s: float = Field(HEALTH_CHECK_PERIOD_S, gt=0, description=(
         "seconds between Serve's health checks of a replica; a replica whose engine died is replaced after "
@@ -135,7 +139,8 @@ class ServeArgs(BaseModel):
         if self.routing == "serve-default" or (self.num_replicas or self.max_replicas) < 2:
             return None
         return RoutingConfig(mode=self.routing, min_match_blocks=self.routing_min_match_blocks,
-                             max_imbalance=self.routing_max_imbalance, ttl_s=self.routing_ttl_s,
+                             max_imbalance=self.routing_max_imbalance,
+                             max_imbalance_ratio=self.routing_max_imbalance_ratio, ttl_s=self.routing_ttl_s,
                              max_blocks_per_replica=self.routing_max_blocks_per_replica,
                              block_size=self.block_size, stats_period_s=self.routing_stats_period_s)
 

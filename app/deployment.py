@@ -1,9 +1,13 @@
-"""The Ray Serve deployment: one AsyncLLMEngine per replica, the OpenAI API as its HTTP ingress.
+"""The Ray Serve deployments: LLMServer, one AsyncLLMEngine per replica with the OpenAI API as its HTTP app, and
+in front of several of them OpenAIIngress, which lets the prefix-aware router see each request's prompt.
 
-Each replica asks for a placement group of tensor_parallel_size bundles (bundle 0 holds the replica, which is
-rank 0; bundles 1..tp-1 hold the TP worker actors) packed on one node. `build_app(args)` is the application
-for both the CLI and `serve run configs/serve.yaml`. `build_replica_app` is the HTTP app of one replica: the
-deployment serves it, and the tests and scripts that run a replica's app without Serve build it the same way.
+Each LLMServer replica asks for a placement group of tensor_parallel_size bundles (bundle 0 holds the replica,
+which is rank 0; bundles 1..tp-1 hold the TP worker actors) packed on one node. `build_app(args)` is the
+application for both the CLI and `serve run configs/serve.yaml`: LLMServer alone where it has one replica or
+Serve's own router (HTTP goes from Serve's proxy straight to the replica), else OpenAIIngress -> LLMServer
+(app/ingress.py; the ingress calls `LLMServer.answer_http`, answered by the same HTTP app). `build_replica_app`
+is the HTTP app of one replica: the deployment serves it, and the tests and scripts that run a replica's app
+without Serve build it the same way.
 """
 
 from __future__ import annotations
@@ -11,19 +15,25 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
+from starlette.types import Message
 
 from app.api import StreamBatching, build_api, engine_stats_dict
 from app.autoscaling import QUEUE_DEPTH_METRIC, autoscaling_config
 from app.config import ServeArgs
 from app.drain import POLL_S, DrainGate, DrainState, ReplicaDrain
 from app.errors import RETRY_AFTER_S
+from app.forwarding import ForwardedRequest, answer_forwarded
 from app.observability.replica import ReplicaObservability
+from app.routing.request import RoutedRequest
 from app.routing.stats import engine_routing_stats
+from app.routing.telemetry import LISTENER
 from app.serving import OpenAIServing
 
 if TYPE_CHECKING:
@@ -38,10 +48,20 @@ RAY_METRICS_INTERVAL_S = 5.0  # how often a replica copies its Prometheus metric
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
 # after the engine died, how long open requests get to write their error event before the replica exits
 DEAD_ENGINE_EXIT_GRACE_S = 2.0
+INGRESS_CPUS = 0.1
 
 
 def served_model_name(args: ServeArgs) -> str:
     return args.served_model_name or args.model or DEMO_MODEL_NAME
+
+
+def model_path(args: ServeArgs) -> str:
+    """The model to load: --model, else the demo model (SmolLM2-135M-Instruct, fetched once into the cache)."""
+    if args.model is not None:
+        return args.model
+    from engine.demo_model import ensure_demo_model
+
+    return str(ensure_demo_model())
 
 
 def default_sampling(args: ServeArgs) -> dict[str, float]:
@@ -113,10 +133,10 @@ def deployment_options(args: ServeArgs) -> dict[str, Any]:
         "health_check_timeout_s": args.health_check_timeout_s,
     }
     routing = args.routing_config()
-    if routing is not None:
+    if routing is not None:  # called through the ingress, whose process holds the router and its telemetry
         from app.routing.router import request_router_config  # imports Serve's router internals
 
-        options["request_router_config"] = request_router_config(routing)
+        options["request_router_config"] = request_router_config(routing, listener=LISTENER)
     if args.num_replicas is not None:
         options["num_replicas"] = args.num_replicas
     else:
@@ -126,10 +146,9 @@ def deployment_options(args: ServeArgs) -> dict[str, Any]:
     return options
 
 
-@serve.deployment
-@serve.ingress()
 class LLMServer:
-    """One engine replica. HTTP goes through the FastAPI app; handles can call the methods below."""
+    """One engine replica: its HTTP app (for Serve's proxy, or the ingress through answer_http) and the methods
+    handles call. Deployed as HTTP_LLM_SERVER or, behind the ingress, ROUTED_LLM_SERVER (below)."""
 
     def __init__(self, args: dict[str, Any]):
         from engine import AsyncLLMEngine  # imported here: loading torch is the replica's business
@@ -137,11 +156,7 @@ class LLMServer:
         _configure_logging()
         _keep_replica_grpc_on_loopback()
         self.args = ServeArgs.model_validate(args)
-        model_dir = self.args.model
-        if model_dir is None:
-            from engine.demo_model import ensure_demo_model
-
-            model_dir = str(ensure_demo_model())  # SmolLM2-135M-Instruct, fetched once into the cache
+        model_dir = model_path(self.args)
         # open HTTP requests, and graceful shutdown under the CLI (app/drain.py; without its coordinator,
         # `drain` is None)
         self.drain_state = DrainState()
@@ -152,10 +167,18 @@ class LLMServer:
         self.observability = ReplicaObservability(self.engine, served_model_name(self.args), _replica_id(),
                                                   self.args.tensor_parallel_size, self.args.otlp_traces_endpoint,
                                                   ray_metrics_interval_s=RAY_METRICS_INTERVAL_S)
+        # one app for both paths: Serve's proxy calls it directly, the ingress through answer_http
+        self.http_app = build_replica_app(self.engine, self.args, self.observability, self.drain_state)
         logger.info("replica ready: model %s served as %r", model_dir, served_model_name(self.args))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_replica_app(self.engine, self.args, self.observability, self.drain_state)
+        return self.http_app
+
+    async def answer_http(self, routed: RoutedRequest, request: ForwardedRequest) -> AsyncIterator[Message]:
+        """An HTTP request the ingress sent on (app/ingress.py; `routed` was the router's), answered by this
+        replica's own HTTP app: its ASGI messages, as they come."""
+        async for message in answer_forwarded(self.http_app, request):
+            yield message
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Queue depth for app/autoscaling.py: sequences waiting plus running in this replica's engine."""
@@ -206,11 +229,77 @@ def exit_replica_after_dead_engine(state: DrainState, reason: str,
     os._exit(1)
 
 
-def build_app(args: ServeArgs) -> Application:
-    """The Serve application for these settings (`serve run app.deployment:build_app` passes a dict)."""
+# Serve allows one ASGI app per application: the replicas' own is Serve's HTTP entry only without the ingress
+HTTP_LLM_SERVER = serve.deployment(serve.ingress()(LLMServer))
+ROUTED_LLM_SERVER = serve.deployment(LLMServer)
+
+
+@serve.deployment
+@serve.ingress()
+class OpenAIIngress:
+    """The HTTP front of several LLMServer replicas (app/ingress.py): routes each request by its prompt."""
+
+    def __init__(self, args: dict[str, Any], engine: DeploymentHandle):
+        from app.ingress import IngressApp, IngressSettings, ReplicaCall
+        from app.observability.metrics import RayMetricsMirror
+        from app.observability.routing import IngressMetrics
+        from app.observability.tracing import TRACER_NAME, make_tracer_provider
+        from app.routing.telemetry import TELEMETRY
+        from engine.loader import load_tokenizer
+
+        _configure_logging()
+        _keep_replica_grpc_on_loopback()
+        self.args = ServeArgs.model_validate(args)
+        name = served_model_name(self.args)
+        self.metrics = IngressMetrics(TELEMETRY, name)
+        self.ray_mirror = RayMetricsMirror(self.metrics.registry, RAY_METRICS_INTERVAL_S)
+        self.tracer_provider = make_tracer_provider(self.args.otlp_traces_endpoint,
+                                                    {"shardserve.replica_id": _replica_id()})
+        tracer = self.tracer_provider.get_tracer(TRACER_NAME) if self.tracer_provider is not None else None
+        settings = IngressSettings(self.args.block_size, self.args.max_request_body_bytes, self.args.api_key)
+        call = ReplicaCall(engine.options(stream=True, method_name="answer_http"))
+        self.http_app = IngressApp(call, load_tokenizer(model_path(self.args)), settings, TELEMETRY, self.metrics,
+                                   tracer)
+        logger.info("ingress ready: routing %r over LLMServer replicas (%s)", name, self.args.routing)
+
+    def __serve_build_asgi_app__(self):
+        return self.http_app
+
+    def __del__(self):
+        ray_mirror = getattr(self, "ray_mirror", None)
+        if ray_mirror is not None:
+            ray_mirror.stop()
+        tracer_provider = getattr(self, "tracer_provider", None)
+        if tracer_provider is not None:
+            tracer_provider.shutdown()
+
+
+def ingress_options(args: ServeArgs) -> dict[str, Any]:
+    """Serve options of the ingress: a pass-through that takes every request its engine replicas could hold."""
+    engine_replicas = args.num_replicas or args.max_replicas
+    capacity = engine_replicas * (max_ongoing_requests(args) + args.max_waiting_requests)
+    return {
+        "name": "OpenAIIngress",
+        "num_replicas": args.ingress_replicas,
+        "max_ongoing_requests": max(1, capacity // args.ingress_replicas),
+        # it tokenizes and relays: a tenth of a core, which also keeps it off a Ray head started with no CPUs
+        # (a KubeRay head holds no model files to read the tokenizer from)
+        "ray_actor_options": {"num_cpus": INGRESS_CPUS},
+        "graceful_shutdown_timeout_s": args.shutdown_timeout,
+        "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
+    }
+
+
+def build_app(args: ServeArgs, ingress: bool | None = None) -> Application:
+    """The Serve application for these settings (`serve run app.deployment:build_app` passes a dict). `ingress`:
+    put the ingress in front (default: where the request router serves, ServeArgs.routing_config); True is
+    for measuring its hop with one replica (scripts/bench_routing.py)."""
     if not isinstance(args, ServeArgs):
         args = ServeArgs.model_validate(args)
-    return LLMServer.options(**deployment_options(args)).bind(args.model_dump())
+    if not (ingress if ingress is not None else args.routing_config() is not None):
+        return HTTP_LLM_SERVER.options(**deployment_options(args)).bind(args.model_dump())
+    engine = ROUTED_LLM_SERVER.options(**deployment_options(args)).bind(args.model_dump())
+    return OpenAIIngress.options(**ingress_options(args)).bind(args.model_dump(), engine)
 
 
 def _replica_id() -> str:

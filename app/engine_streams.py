@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from app.observability.records import RequestContext, RequestRecord, RequestTally
+from app.prompts import Prompt
 from engine.config import SamplingParams
 
 if TYPE_CHECKING:
@@ -25,12 +25,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("shardserve.api")
 
 OnRequestFinished = Callable[[RequestRecord], None]
-
-
-@dataclass
-class Prompt:
-    text: str | None  # None when the client sent token ids
-    token_ids: list[int]
 
 
 async def start_generation(engine: AsyncLLMEngine, request_id: str, prompts: Sequence[Prompt],

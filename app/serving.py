@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from app.config import SamplingDefault
-from app.engine_streams import OnRequestFinished, Prompt, start_generation
+from app.engine_streams import OnRequestFinished, start_generation
 from app.errors import EngineOverloadedError, ModelNotFoundError, engine_dead_error
 from app.observability.records import RequestContext
+from app.prompts import Prompt, chat_prompt, completion_prompts
 from app.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -38,6 +39,7 @@ from app.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -60,6 +62,7 @@ class ChoiceState:
     finish_reason: str | None = None
     text_offset: int = 0  # where the next token's text starts in the choice's full text
     started: bool = False
+    num_cached_tokens: int = 0  # of its prompt's tokens, those the prefix cache already held
 
 
 def sse(payload: str) -> str:
@@ -150,24 +153,6 @@ class OpenAIServing:
 
     # -- /v1/completions ----------------------------------------------------------------------------
 
-    def _completion_prompts(self, req: CompletionRequest) -> list[Prompt]:
-        raw = req.prompt
-        if isinstance(raw, str):
-            items: list = [raw]
-        elif raw and all(isinstance(t, int) for t in raw):
-            items = [raw]
-        else:
-            items = list(raw)
-        if not items:
-            raise InvalidRequestError("The prompt is empty: send at least one prompt.", param="prompt")
-        prompts = []
-        for item in items:
-            if isinstance(item, str):
-                prompts.append(Prompt(item, self.tokenizer.encode(item)))
-            else:
-                prompts.append(Prompt(None, list(item)))
-        return prompts
-
     def _completion_logprobs(self, state: ChoiceState, token_ids: list[int],
                              logprobs: list[dict[int, float]], num_top: int) -> CompletionLogprobs:
         out = CompletionLogprobs()
@@ -191,7 +176,7 @@ class OpenAIServing:
         if req.suffix:
             raise InvalidRequestError("suffix is not supported.", param="suffix")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        prompts = self._completion_prompts(req)
+        prompts = completion_prompts(self.tokenizer, req)
         params = [self._sampling_params(req, req.max_tokens, req.logprobs)] * len(prompts)
         logger.info("%s: %d prompt(s), n=%d, stream=%s", request_id, len(prompts), req.n, req.stream)
         self.check_capacity()
@@ -212,6 +197,7 @@ class OpenAIServing:
                 state.token_ids += out.token_ids
                 state.logprobs += out.logprobs or []
                 state.finish_reason = out.finish_reason or state.finish_reason
+                state.num_cached_tokens = delta.num_cached_tokens
         choices = []
         for i, state in enumerate(states):
             logprobs = None
@@ -222,7 +208,7 @@ class OpenAIServing:
                                             finish_reason=state.finish_reason))
         logger.info("%s: finished", request_id)
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                  usage=_usage(prompts, states))
+                                  usage=_usage(prompts, states, req.n))
 
     async def _completion_stream(self, req, request_id, prompts, states, echoes, deltas):
         include_usage = req.include_usage_chunk
@@ -237,6 +223,7 @@ class OpenAIServing:
                         text = out.text if state.started else echoes[prompt_index] + out.text
                         state.started = True
                         state.token_ids += out.token_ids
+                        state.num_cached_tokens = delta.num_cached_tokens
                         logprobs = None
                         if req.logprobs is not None:
                             logprobs = self._completion_logprobs(state, out.token_ids, out.logprobs or [],
@@ -248,7 +235,7 @@ class OpenAIServing:
                         yield sse(chunk.model_dump_json(exclude=exclude))
             if include_usage:
                 chunk = CompletionResponse(id=request_id, model=self.served_model_name, choices=[],
-                                           usage=_usage(prompts, states))
+                                           usage=_usage(prompts, states, req.n))
                 yield sse(chunk.model_dump_json())
             logger.info("%s: finished", request_id)
         except Exception as e:  # the response has started: report in-band, as OpenAI does
@@ -256,17 +243,6 @@ class OpenAIServing:
         yield SSE_DONE
 
     # -- /v1/chat/completions -----------------------------------------------------------------------
-
-    def _chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # jinja errors: the template rejected these messages
-            raise InvalidRequestError(f"The chat template cannot render these messages: {e}",
-                                      param="messages") from None
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return Prompt(None, list(ids))
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]],
                        num_top: int) -> ChatChoiceLogprobs:
@@ -284,7 +260,7 @@ class OpenAIServing:
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt = self._chat_prompt(req)
+        prompt = chat_prompt(self.tokenizer, req)
         max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         num_top = req.top_logprobs or 0
         params = self._sampling_params(req, max_tokens, num_top if req.logprobs else None)
@@ -307,6 +283,7 @@ class OpenAIServing:
                 state.token_ids += out.token_ids
                 state.logprobs += out.logprobs or []
                 state.finish_reason = out.finish_reason or state.finish_reason
+                state.num_cached_tokens = delta.num_cached_tokens
         choices = [
             ChatChoice(index=i, message=AssistantMessage(content=state.text), finish_reason=state.finish_reason,
                        logprobs=self._chat_logprobs(state.token_ids, state.logprobs, num_top) if req.logprobs else None)
@@ -314,7 +291,7 @@ class OpenAIServing:
         ]
         logger.info("%s: finished", request_id)
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                      usage=_usage([prompt], states))
+                                      usage=_usage([prompt], states, req.n))
 
     async def _chat_stream(self, req, request_id, prompt, states, num_top, deltas):
         include_usage = req.include_usage_chunk
@@ -332,6 +309,7 @@ class OpenAIServing:
                     choices = []
                     for out in delta.outputs:
                         states[out.index].token_ids += out.token_ids
+                        states[out.index].num_cached_tokens = delta.num_cached_tokens
                         logprobs = (self._chat_logprobs(out.token_ids, out.logprobs or [], num_top) if req.logprobs
                                     else None)
                         choices.append(ChatStreamChoice(index=out.index, delta=DeltaMessage(content=out.text),
@@ -339,7 +317,7 @@ class OpenAIServing:
                     if choices:
                         yield chunk(choices)
             if include_usage:
-                yield chunk([], usage=_usage([prompt], states))
+                yield chunk([], usage=_usage([prompt], states, req.n))
             logger.info("%s: finished", request_id)
         except Exception as e:  # the response has started: report in-band, as OpenAI does
             yield _stream_error_event(request_id, e)
@@ -357,11 +335,14 @@ def _stream_error_event(request_id: str, e: Exception) -> str:
     return sse(ErrorResponse(error=info).model_dump_json())
 
 
-def _usage(prompts: Sequence[Prompt], states: Sequence[ChoiceState]) -> UsageInfo:
+def _usage(prompts: Sequence[Prompt], states: Sequence[ChoiceState], n: int) -> UsageInfo:
+    """Token counts of a response whose prompts have `n` choices each (states in prompt order)."""
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     completion_tokens = sum(len(s.token_ids) for s in states)
+    cached_tokens = sum(max(s.num_cached_tokens for s in states[i:i + n]) for i in range(0, len(states), n))
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 def _top_logprob(token: str, logprob: float) -> dict:

@@ -44,6 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     flag("--prompt-tokens", field="prompt_tokens", type=int, default=defaults.prompt_tokens)
     flag("--output-tokens", field="output_tokens", type=int, default=defaults.output_tokens)
     flag("--shared-prefix-tokens", field="shared_prefix_tokens", type=int, default=defaults.shared_prefix_tokens)
+    flag("--num-shared-prefixes", field="num_shared_prefixes", type=int, default=defaults.num_shared_prefixes)
     flag("--num-prompts", field="num_prompts", type=_int_list, default=defaults.num_prompts)
     flag("--concurrency", field="concurrency", type=_int_list, default=defaults.concurrency)
     flag("--request-rate", field="request_rate", type=float)

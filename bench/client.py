@@ -30,6 +30,7 @@ class RequestResult:
     text: str = ""
     prompt_tokens: int | None = None  # from the final usage chunk
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if the server reports it
     expected_prompt_tokens: int | None = None
     expected_completion_tokens: int | None = None
     error: str | None = None
@@ -172,6 +173,7 @@ class OpenAIStreamClient:
             if usage := chunk.get("usage"):
                 record.prompt_tokens = usage.get("prompt_tokens")
                 record.completion_tokens = usage.get("completion_tokens")
+                record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             for choice in chunk.get("choices") or []:
                 text = (
                     (choice.get("delta") or {}).get("content")

@@ -55,7 +55,9 @@ class PromptBuilder:
     The count is the one the server reports in `usage.prompt_tokens`: for /v1/completions the text
     plus the tokenizer's special tokens (BOS), for /v1/chat/completions the chat template's output
     around a single user message. Prompts are distinct (fresh random ids each) unless a shared
-    prefix of `shared_prefix_tokens` tokens is asked for, which every prompt then starts with.
+    prefix of `shared_prefix_tokens` tokens is asked for, which every prompt then starts with; with
+    `num_shared_prefixes` > 1 there are that many distinct prefixes, and each prompt starts with one
+    drawn at random.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class PromptBuilder:
         endpoint: Endpoint = "completions",
         shared_prefix_tokens: int = 0,
         seed: int = 0,
+        num_shared_prefixes: int = 1,
     ):
         if prompt_tokens < 1:
             raise PromptLengthError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
@@ -84,7 +87,15 @@ class PromptBuilder:
                 f"the {endpoint} endpoint adds {self.overhead} tokens around the prompt; "
                 f"--prompt-tokens {prompt_tokens} leaves no room for content"
             )
-        self.prefix = self._shared_prefix(shared_prefix_tokens) if shared_prefix_tokens else ""
+        if num_shared_prefixes < 1:
+            raise PromptLengthError(f"num_shared_prefixes must be >= 1, got {num_shared_prefixes}")
+        self.prefixes = ([self._shared_prefix(shared_prefix_tokens) for _ in range(num_shared_prefixes)]
+                         if shared_prefix_tokens else [""])
+
+    @property
+    def prefix(self) -> str:
+        """The (first) shared prefix; "" without one."""
+        return self.prefixes[0]
 
     def build(self, num_prompts: int) -> list[str]:
         """`num_prompts` new prompts, each counted by the server as exactly `prompt_tokens` tokens."""
@@ -119,7 +130,8 @@ class PromptBuilder:
         return self._fit(self._raw_len, num_tokens)
 
     def _one_prompt(self) -> str:
-        return self.prefix + self._fit(lambda text: self.count_tokens(self.prefix + text), self.prompt_tokens)
+        prefix = self.prefixes[int(self.rng.integers(len(self.prefixes)))] if len(self.prefixes) > 1 else self.prefix
+        return prefix + self._fit(lambda text: self.count_tokens(prefix + text), self.prompt_tokens)
 
     def _fit(self, count: Callable[[str], int], target: int) -> str:
         """Text `t` with count(t) == target, from random ids trimmed or padded until the count is exact."""

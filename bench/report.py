@@ -35,6 +35,7 @@ class RunSummary:
     prompt_tokens: int
     output_tokens: int
     shared_prefix_tokens: int
+    num_shared_prefixes: int
     seed: int
     # measurements
     successes: int
@@ -55,6 +56,7 @@ class RunSummary:
     latency_mean_s: float
     latency_p95_s: float
     usage_mismatches: int
+    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens, as the server's usage says (nan: not said)
     errors: str  # "count x message" entries joined by " | "
 
     @classmethod
@@ -70,6 +72,9 @@ class RunSummary:
         latencies_s = [r.latency_s for r in ok]
         generated = sum(r.output_tokens for r in ok)
         prompt_total = sum(r.prompt_tokens or r.expected_prompt_tokens or 0 for r in ok)
+        reporting = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+        hit_rate = (sum(r.cached_tokens for r in reporting) / sum(r.prompt_tokens for r in reporting)
+                    if reporting else math.nan)
         return cls(
             **settings,
             successes=len(ok),
@@ -90,6 +95,7 @@ class RunSummary:
             latency_mean_s=_mean(latencies_s),
             latency_p95_s=_percentile(latencies_s, 95),
             usage_mismatches=sum(1 for r in ok if r.usage_mismatch),
+            prefix_cache_hit_rate=hit_rate,
             errors=summarize_errors(records),
         )
 
@@ -181,6 +187,8 @@ def format_details(summary: RunSummary) -> str:
         f"  TPOT ms mean {s.tpot_mean_ms:.2f}  p95 {s.tpot_p95_ms:.2f}   ITL p95 {s.itl_p95_ms:.2f} ms",
         f"  latency s mean {s.latency_mean_s:.3f}  p95 {s.latency_p95_s:.3f}",
     ]
+    if not math.isnan(s.prefix_cache_hit_rate):
+        lines.append(f"  prefix cache: {100 * s.prefix_cache_hit_rate:.1f}% of prompt tokens were cached")
     if s.usage_mismatches:
         lines.append(f"  usage mismatches: {s.usage_mismatches} requests")
     if s.errors:
@@ -242,6 +250,7 @@ def write_json(
                 "latency_s": r.latency_s,
                 "output_tokens": r.output_tokens,
                 "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
                 "itl_s": r.inter_token_latencies_s,
                 "error": r.error,
             }

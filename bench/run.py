@@ -33,6 +33,9 @@ class BenchArgs(BaseModel):
     output_tokens: int = Field(128, ge=1, description="max_tokens of each request")
     shared_prefix_tokens: int = Field(0, ge=0, description=(
         "tokens that every prompt starts with (a shared system prompt: prefix-cache hits)"))
+    num_shared_prefixes: int = Field(1, ge=1, description=(
+        "distinct shared prefixes of --shared-prefix-tokens each; every prompt starts with one of them, drawn at "
+        "random (several system prompts: what routing by prefix across replicas is for)"))
     num_prompts: list[int] = Field(default_factory=lambda: [100], description=(
         "requests per run: N for every run, or N1,N2,... one per concurrency"))
     concurrency: list[int] = Field(default_factory=lambda: [10], description=(
@@ -85,6 +88,7 @@ async def run_bench(args: BenchArgs) -> BenchResult:
         args.prompt_tokens,
         endpoint=args.endpoint,
         shared_prefix_tokens=args.shared_prefix_tokens,
+        num_shared_prefixes=args.num_shared_prefixes,
         seed=args.seed,
     )
     client = OpenAIStreamClient(
@@ -171,5 +175,6 @@ def _settings(args: BenchArgs, model: str, concurrency: int, num_prompts: int) -
         "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens,
         "shared_prefix_tokens": args.shared_prefix_tokens,
+        "num_shared_prefixes": args.num_shared_prefixes if args.shared_prefix_tokens else 0,
         "seed": args.seed,
     }

@@ -43,7 +43,14 @@ def no_packing(weight: torch.Tensor) -> None:
 
 
 def pack_for_onednn(weight: torch.Tensor) -> PackedLinearWeight | None:
-    """The native CPU backend's packer: a CPU float32 or bfloat16 weight, packed; anything else as it is."""
+    """The native CPU backend's packer: a CPU float32 or bfloat16 weight, packed; anything else as it is, and so
+    is a bfloat16 weight on a CPU whose oneDNN cannot pack one (it needs AVX-512 or AVX-NE-CONVERT; on AVX2 alone
+    its reorder raises, and F.linear still multiplies bfloat16)."""
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
         return None
-    return PackedLinearWeight(weight)
+    try:
+        return PackedLinearWeight(weight)
+    except RuntimeError:
+        if weight.dtype != torch.bfloat16:
+            raise
+        return None

@@ -21,9 +21,14 @@ class RoutingConfig(BaseModel):
         "serve-default: Ray Serve's own router (power of two choices on ongoing requests)"))
     min_match_blocks: int = Field(1, ge=1, description=(
         "fewest full KV blocks of cached prefix that make a replica preferred over the least-loaded one"))
-    max_imbalance: int = Field(4, ge=0, description=(
-        "how many more queued and running sequences the prefix replica may have than the least-loaded "
-        "replica before a request goes to the least-loaded one instead"))
+    max_imbalance: int = Field(16, ge=0, description=(
+        "how many more queued and running sequences than the least-loaded replica the prefix's replica may "
+        "have and still get the request; past it (and past --routing-max-imbalance-ratio) the least-loaded "
+        "replica gets it instead (a full replica is skipped either way)"))
+    max_imbalance_ratio: float = Field(1.5, ge=1.0, description=(
+        "...and how many times the least-loaded replica's load: both bounds must be passed before a request "
+        "leaves its prefix's replica (as SGLang's and vLLM's routers do), so an idle replica next to a busy "
+        "one draws work, and at large batches a small difference keeps the cache hit"))
     ttl_s: float = Field(300.0, gt=0, description=(
         "seconds after which the router forgets that it sent a prefix to a replica (about how long a "
         "replica's prefix cache keeps an unused prefix)"))

@@ -2,7 +2,8 @@
 
 The router reads it from `PendingRequest.args[0]` to route by prompt prefix; the replica method receives it
 too and may ignore it. It carries the prompt's chained block hashes (app/routing/block_hashes.py), computed
-once in the ingress where the prompt is tokenized, so that no router hashes or even sees token ids.
+once in the ingress where the prompt is tokenized, so that no router hashes or even sees token ids, and the
+ingress's own id for the request, which the router's decision carries back (app/routing/telemetry.py).
 """
 
 from __future__ import annotations
@@ -15,3 +16,4 @@ class RoutedRequest:
     """The routing key of one request: the engine's hashes of its prompt's full blocks, first block first."""
 
     block_hashes: tuple[bytes, ...] = ()
+    request_id: str = ""  # the ingress's id of the request ("": the decision takes Serve's request id)

@@ -3,8 +3,10 @@
 Policy. A request carries its prompt's chained block hashes (RoutedRequest, the first positional argument
 of the handle call). In mode `prefix` the router asks its PrefixIndex how many leading blocks of the prompt
 each replica was sent before. Among replicas with at least `min_match_blocks` matched, longest match first,
-it takes the first whose load is at most the least load plus `max_imbalance` ("prefix_hit"); when every
-matching replica is busier than that, the least-loaded replica gets the request ("imbalance"). Without such
+it takes the first that is not too busy ("prefix_hit"): too busy is a load over the least load by more than
+`max_imbalance` sequences and more than `max_imbalance_ratio` times the least load (both, as SGLang's
+cache-aware router: a recomputed prefix costs more than a few extra sequences in a batch). When every
+matching replica is too busy, the least-loaded replica gets the request ("imbalance"). Without such
 a match, or in mode `load`, the least-loaded replica gets it ("least_loaded"; "no_stats" while no replica
 has reported engine stats, so load is only this router's own count of ongoing requests). Load is
 stats.replica_load: engine queue depth, then KV-cache usage, then the fewest remembered prefix blocks, so
@@ -13,7 +15,8 @@ order, skips full ones and backs off when all are full, so routing never blocks 
 ("preferred_busy" when a later rank took the request). The prompt's blocks are recorded for the chosen
 replica at once, so a burst sharing a new prefix follows its first request, and again for the replica that
 accepted it. Each routed request makes one RoutingDecision, counted per (replica, reason) and passed to
-listeners. No FIFOMixin: with it a replica chosen for one request's prefix would go to whichever request is
+listeners (RoutingListener: the ingress's telemetry, app/routing/telemetry.py), which also hear every
+replica's reported stats each time Serve refreshes them. No FIFOMixin: with it a replica chosen for one request's prefix would go to whichever request is
 first in the queue; Serve's base matching gives it to the request it was chosen for.
 """
 
@@ -22,8 +25,9 @@ from __future__ import annotations
 import importlib
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -48,6 +52,18 @@ class RoutingDecision:
     reason: str  # one of REASONS
     matched_blocks: int  # prompt blocks the chosen replica was already sent
     queue_depth: float  # the chosen replica's load when the router chose
+    prompt_blocks: int = 0  # full KV blocks of the prompt (0: the call carried no prompt)
+
+
+class RoutingListener(Protocol):
+    """What a router tells (a listener is named by "module:attribute" in request_router_kwargs). Both are
+    called on the router's event loop thread, so a listener read from another thread takes a lock."""
+
+    def on_decision(self, decision: RoutingDecision) -> None:
+        """A replica accepted a request: where it went and why."""
+
+    def on_replica_stats(self, stats: Mapping[str, Mapping[str, float]]) -> None:
+        """The live replicas (Serve unique_id) and what each last reported (app/routing/stats.py)."""
 
 
 @dataclass(frozen=True)
@@ -57,14 +73,15 @@ class _Plan:
     block_hashes: tuple[bytes, ...]
     matched_blocks: dict[ReplicaID, int]  # replicas with a match only
     queue_depths: dict[ReplicaID, float]
+    request_id: str  # the ingress's id when the call carried one, else Serve's
 
 
-def routed_block_hashes(pending_request: PendingRequest | None) -> tuple[bytes, ...]:
-    """The prompt's block hashes, when the call's first positional argument is a RoutedRequest."""
+def routed_request(pending_request: PendingRequest | None) -> RoutedRequest | None:
+    """The call's RoutedRequest (its first positional argument), if it has one."""
     if pending_request is None or not pending_request.args:
-        return ()
+        return None
     first = pending_request.args[0]
-    return first.block_hashes if isinstance(first, RoutedRequest) else ()
+    return first if isinstance(first, RoutedRequest) else None
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -72,27 +89,28 @@ class PrefixAwareRouter(RequestRouter):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._configure(RoutingConfig(), decision_hook=None)
+        self._configure(RoutingConfig(), listener=None)
 
-    def initialize_state(self, routing: dict | None = None, decision_hook: str | None = None) -> None:
+    def initialize_state(self, routing: dict | None = None, listener: str | None = None) -> None:
         """Serve calls this with `request_router_kwargs`: the RoutingConfig as a dict, and an optional
-        "module:function" that receives every RoutingDecision (on the router's event loop thread)."""
-        self._configure(RoutingConfig(**(routing or {})), decision_hook)
+        "module:attribute" naming a RoutingListener in this process."""
+        self._configure(RoutingConfig(**(routing or {})), listener)
 
-    def _configure(self, config: RoutingConfig, decision_hook: str | None) -> None:
+    def _configure(self, config: RoutingConfig, listener: str | None) -> None:
         if config.mode == "serve-default":
             raise ValueError(
                 "routing mode serve-default means Serve's own router: leave request_router_config unset")
         self.config = config
         self.index: PrefixIndex[ReplicaID] = PrefixIndex(config.ttl_s, config.max_blocks_per_replica)
         self.decision_counts: Counter[tuple[str, str]] = Counter()  # (replica unique_id, reason) -> requests
-        self._listeners: list[Callable[[RoutingDecision], None]] = []
-        if decision_hook:
-            self.add_decision_listener(_import_callable(decision_hook))
+        self._listeners: list[RoutingListener] = []
+        if listener:
+            self.add_listener(_import_attribute(listener))
         self._plans: OrderedDict[str, _Plan] = OrderedDict()  # internal request id -> the choice made
 
-    def add_decision_listener(self, listener: Callable[[RoutingDecision], None]) -> None:
+    def add_listener(self, listener: RoutingListener) -> None:
         self._listeners.append(listener)
+        _tell(listener, "on_replica_stats", self._replica_stats())
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -110,15 +128,17 @@ class PrefixAwareRouter(RequestRouter):
         }
         by_load = sorted(candidate_replicas,
                          key=lambda r: self._load_order(r.replica_id, loads[r.replica_id]))
-        block_hashes = routed_block_hashes(pending_request) if self.config.mode == "prefix" else ()
+        routed = routed_request(pending_request)
+        block_hashes = routed.block_hashes if routed is not None and self.config.mode == "prefix" else ()
         lengths = self.index.match_lengths(block_hashes, now, loads) if block_hashes else {}
         chosen, reason = self._decide(by_load, loads, lengths)
         if block_hashes:
             self.index.insert(chosen.replica_id, block_hashes, now)
         if pending_request is not None:
             queue_depths = {replica_id: load.queue_depth for replica_id, load in loads.items()}
+            request_id = (routed.request_id if routed is not None else "") or pending_request.metadata.request_id
             self._remember(pending_request,
-                           _Plan(chosen.replica_id, reason, block_hashes, lengths, queue_depths))
+                           _Plan(chosen.replica_id, reason, block_hashes, lengths, queue_depths, request_id))
         return [[chosen]] + [[r] for r in by_load if r is not chosen]
 
     def _load_order(self, replica_id: ReplicaID, load: ReplicaLoad) -> tuple[float, float, int]:
@@ -133,9 +153,9 @@ class PrefixAwareRouter(RequestRouter):
         least_loaded = by_load[0]
         matching = [r for r in by_load if lengths.get(r.replica_id, 0) >= self.config.min_match_blocks]
         matching.sort(key=lambda r: -lengths[r.replica_id])  # stable: equal matches stay in load order
-        bound = loads[least_loaded.replica_id].queue_depth + self.config.max_imbalance
+        least = loads[least_loaded.replica_id].queue_depth
         for replica in matching:
-            if loads[replica.replica_id].queue_depth <= bound:
+            if not self._too_busy(loads[replica.replica_id].queue_depth, least):
                 return replica, "prefix_hit"
         if matching:
             reason = "imbalance"
@@ -144,6 +164,9 @@ class PrefixAwareRouter(RequestRouter):
         else:
             reason = "no_stats"
         return least_loaded, reason
+
+    def _too_busy(self, load: float, least: float) -> bool:
+        return load - least > self.config.max_imbalance and load > self.config.max_imbalance_ratio * least
 
     def _remember(self, pending_request: PendingRequest, plan: _Plan) -> None:
         key = pending_request.metadata.internal_request_id
@@ -162,25 +185,31 @@ class PrefixAwareRouter(RequestRouter):
         reason = plan.reason if replica_id == plan.preferred else "preferred_busy"
         self.decision_counts[(replica_id.unique_id, reason)] += 1
         decision = RoutingDecision(
-            pending_request.metadata.request_id, replica_id.unique_id, reason,
-            plan.matched_blocks.get(replica_id, 0), plan.queue_depths.get(replica_id, 0.0))
+            plan.request_id, replica_id.unique_id, reason, plan.matched_blocks.get(replica_id, 0),
+            plan.queue_depths.get(replica_id, 0.0), len(plan.block_hashes))
+        self._tell_listeners("on_decision", decision)
+
+    def _tell_listeners(self, method: str, argument) -> None:
         for listener in self._listeners:
-            try:
-                listener(decision)
-            except Exception:  # a metrics hook must never break routing
-                logger.exception("routing decision listener %r failed", listener)
+            _tell(listener, method, argument)
+
+    def _replica_stats(self) -> dict[str, dict[str, float]]:
+        return {r.replica_id.unique_id: dict(r.routing_stats) for r in self._replicas_list}
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        """Serve's new replica set; replicas that left leave the index and the counts."""
+        """Serve's new replica set, or fresh stats of the same one; replicas that left leave the index and the
+        counts, and listeners hear what every live replica reported."""
         super().update_replicas(replicas)
         for gone in self.index.replicas() - self._replica_id_set:
             self.index.remove_replica(gone)
         self._drop_counts_of_replicas_not_in(self._replica_id_set)
+        self._tell_listeners("on_replica_stats", self._replica_stats())
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.index.remove_replica(replica_id)
         self._drop_counts_of_replicas_not_in(self._replica_id_set)
+        self._tell_listeners("on_replica_stats", self._replica_stats())
 
     def _drop_counts_of_replicas_not_in(self, replica_ids: set[ReplicaID]) -> None:
         live = {replica_id.unique_id for replica_id in replica_ids}
@@ -188,20 +217,28 @@ class PrefixAwareRouter(RequestRouter):
             del self.decision_counts[key]
 
 
+def _tell(listener: RoutingListener, method: str, argument) -> None:
+    try:
+        getattr(listener, method)(argument)
+    except Exception:  # telemetry must never break routing
+        logger.exception("routing listener %r failed in %s", listener, method)
+
+
 def request_router_config(
-    config: RoutingConfig, decision_hook: str | None = None
+    config: RoutingConfig, listener: str | None = None
 ) -> RequestRouterConfig | None:
-    """The deployment's `request_router_config` for these settings; None for serve-default (Serve's own)."""
+    """The deployment's `request_router_config` for these settings; None for serve-default (Serve's own).
+    `listener`: "module:attribute" of a RoutingListener in the calling process (the ingress's telemetry)."""
     if config.mode == "serve-default":
         return None
     kwargs: dict = {"routing": config.model_dump()}
-    if decision_hook:
-        kwargs["decision_hook"] = decision_hook
+    if listener:
+        kwargs["listener"] = listener
     return RequestRouterConfig(request_router_class=PrefixAwareRouter, request_router_kwargs=kwargs,
                                request_routing_stats_period_s=config.stats_period_s)
 
 
-def _import_callable(path: str) -> Callable[[RoutingDecision], None]:
+def _import_attribute(path: str) -> RoutingListener:
     module_name, _, attr = path.partition(":")
     if not attr:
         module_name, _, attr = path.rpartition(".")

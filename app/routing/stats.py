@@ -19,13 +19,19 @@ if TYPE_CHECKING:
 
 QUEUE_DEPTH = "queue_depth"  # sequences waiting plus running in the replica's engine
 KV_CACHE_USAGE = "kv_cache_usage"  # share of the replica's KV blocks in use, 0..1
+# the replica's prefix cache since it started: prompt tokens looked up, and those found (its hit rate)
+PREFIX_CACHE_QUERIES = "prefix_cache_queries"
+PREFIX_CACHE_HITS = "prefix_cache_hits"
 
 
 def engine_routing_stats(stats: EngineStats) -> dict[str, float]:
-    """What a replica's `record_routing_stats` returns: its engine's queue depth and KV-cache usage."""
+    """What a replica's `record_routing_stats` returns: its engine's queue depth and KV-cache usage (what the
+    router compares), and its prefix cache's counters (what the ingress reports as the replica's hit rate)."""
     return {
         QUEUE_DEPTH: float(stats.num_waiting + stats.num_running),
         KV_CACHE_USAGE: float(stats.kv_cache_usage),
+        PREFIX_CACHE_QUERIES: float(stats.prefix_cache_queries),
+        PREFIX_CACHE_HITS: float(stats.prefix_cache_hits),
     }
 
 

@@ -19,7 +19,10 @@ from ops.check.terraform import UNKNOWN, contains_unknown
 GPU_RESOURCE = "nvidia.com/gpu"
 SERVE_IMPORT_PATH = "app.deployment:build_app"
 SERVE_PORT = 8000
-PROMETHEUS_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": "8000", "prometheus.io/path": "/metrics"}
+# GPU workers are scraped on Ray's metrics export port: with several replicas the ingress answers :8000
+METRICS_EXPORT_PORT = "8080"
+PROMETHEUS_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": METRICS_EXPORT_PORT,
+                          "prometheus.io/path": "/metrics"}
 
 
 def _errors(e: ValidationError) -> str:
@@ -119,6 +122,9 @@ def _check_gpu_worker(group: dict, args: ServeArgs | None, where: str) -> list[F
     annotations = ((group.get("template") or {}).get("metadata") or {}).get("annotations") or {}
     if not contains_unknown(annotations) and any(annotations.get(k) != v for k, v in PROMETHEUS_ANNOTATIONS.items()):
         findings.append(Finding("prometheus-annotations", where, f"worker group {name!r} pods need annotations {PROMETHEUS_ANNOTATIONS}"))
+    export_port = (group.get("rayStartParams") or {}).get("metrics-export-port")
+    if not contains_unknown(export_port) and str(export_port) != METRICS_EXPORT_PORT:
+        findings.append(Finding("metrics-export-port", where, f"worker group {name!r}: rayStartParams needs metrics-export-port \"{METRICS_EXPORT_PORT}\" (the port its pods are scraped on)"))
     probes = [c.get("readinessProbe") for c in containers]
     if not any(isinstance(p, dict) and (p.get("httpGet") or {}).get("path") == "/health" for p in probes):
         findings.append(Finding("readiness-probe", where, f"worker group {name!r}: readinessProbe must GET /health on port {SERVE_PORT}"))

@@ -10,9 +10,10 @@ import pytest
 
 from app.config import ServeArgs
 from app.deployment import build_replica_app
-from app.engine_streams import Prompt, start_generation
+from app.engine_streams import start_generation
 from app.observability.records import RequestContext
 from app.observability.replica import ReplicaObservability
+from app.prompts import Prompt
 from engine.config import SamplingParams
 from engine.errors import EngineDeadError, InvalidRequestError
 from tests.app.fake_engine import FakeEngine, fake_next_token
@@ -64,7 +65,8 @@ async def test_completion_returns_text_and_exact_usage(client):
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert body["choices"] == [{"index": 0, "text": expected_text("hi", 5), "logprobs": None,
                                 "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_sampling_fields_a_request_leaves_out_take_the_servers_defaults(engine):
@@ -90,7 +92,8 @@ async def test_list_prompt_gives_n_choices_per_prompt_in_openai_order(client, en
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in body["choices"]] == [expected_text("ab", 3)] * 2 + [expected_text("xyz", 3)] * 2
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert len(set(engine.request_ids)) == 2
 
 
@@ -130,7 +133,8 @@ async def test_include_usage_adds_a_final_chunk_with_empty_choices(client):
     chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
     assert all(c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
+    assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10,
+                                  "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_chat_completion_uses_the_chat_template(client, engine):

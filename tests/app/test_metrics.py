@@ -17,6 +17,7 @@ from app.config import ServeArgs
 from app.deployment import build_replica_app
 from app.observability.metrics import PREFIX, exported_series_names
 from app.observability.replica import ReplicaObservability
+from app.observability.routing import routing_series_names
 from engine import AsyncLLMEngine, EngineConfig
 from tests.app.asgi_stream import StreamingPost
 
@@ -136,12 +137,12 @@ async def test_two_replicas_in_one_process_keep_separate_registries(tiny_llama_d
 
 def test_grafana_dashboard_queries_only_name_exported_metrics():
     dashboard = json.loads(DASHBOARD.read_text())
-    exported = exported_series_names()
+    exported = exported_series_names() | routing_series_names()  # the replicas' and the ingress's
     panels = [p for p in dashboard["panels"] if p.get("type") != "row"]
     assert len(panels) >= 6
     titles = " ".join(p["title"].lower() for p in panels)
     for topic in ("throughput", "time to first token", "time per output token", "queue", "kv cache", "preemption",
-                  "replicas"):
+                  "replicas", "hit rate by replica", "routing decisions by replica"):
         assert topic in titles, topic
     for panel in panels:
         exprs = [t["expr"] for t in panel["targets"]]

@@ -43,6 +43,31 @@ class StubReplica:
         return self.ongoing_requests
 
 
+class DecisionLog:
+    """A RoutingListener that keeps what it hears."""
+
+    def __init__(self):
+        self.decisions: list[RoutingDecision] = []
+        self.stats: list[dict] = []
+
+    def on_decision(self, decision: RoutingDecision) -> None:
+        self.decisions.append(decision)
+
+    def on_replica_stats(self, stats) -> None:
+        self.stats.append({name: dict(reported) for name, reported in stats.items()})
+
+
+class BrokenListener:
+    def on_decision(self, decision):
+        raise RuntimeError("a broken metrics hook")
+
+    def on_replica_stats(self, stats):
+        raise RuntimeError("a broken metrics hook")
+
+
+MODULE_LISTENER = DecisionLog()  # named by import path, as the ingress names its telemetry
+
+
 def make_router(replicas: list[StubReplica], **settings) -> PrefixAwareRouter:
     router = PrefixAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
                                use_replica_queue_len_cache=True)
@@ -105,6 +130,18 @@ async def test_a_match_on_an_overloaded_replica_falls_back_to_the_least_loaded()
     assert router.decision_counts[(other.replica_id.unique_id, "imbalance")] == 1
 
 
+async def test_a_busier_prefix_replica_keeps_its_requests_until_both_imbalance_bounds_are_passed():
+    a, b = StubReplica("a", 0), StubReplica("b", 0)
+    router = make_router([a, b], max_imbalance=4, max_imbalance_ratio=1.5)
+    home = await route(router, SYSTEM)
+    home_replica, other = (a, b) if home == "a" else (b, a)
+    home_replica.report(40)
+    other.report(30)
+    assert await route(router, SYSTEM + [1, 1, 1, 1]) == home  # 10 more, but not 1.5 times as many
+    other.report(26)
+    assert await route(router, SYSTEM + [2, 2, 2, 2]) == other.replica_id.unique_id  # 14 more and 1.54 times
+
+
 async def test_the_longest_match_wins_and_a_short_match_below_the_minimum_is_ignored():
     a, b, c = StubReplica("a", 0), StubReplica("b", 0), StubReplica("c", 0)
     router = make_router([a, b, c], min_match_blocks=2)
@@ -163,6 +200,23 @@ async def test_a_replica_that_leaves_takes_its_prefixes_with_it_and_they_are_reh
     assert router.index.replicas() == set()
 
 
+async def test_listeners_hear_each_live_replicas_report_and_a_routed_request_carries_the_ingress_id():
+    a, b = StubReplica("a", 2), StubReplica("b", 0)
+    router = make_router([a, b])
+    seen = DecisionLog()
+    router.add_listener(seen)
+    a.report(3, kv_cache_usage=0.5)
+    router.update_replicas([a, b])  # Serve's refresh of the replicas' stats
+    assert seen.stats[-1] == {"a": {QUEUE_DEPTH: 3, KV_CACHE_USAGE: 0.5}, "b": {QUEUE_DEPTH: 0, KV_CACHE_USAGE: 0.0}}
+    router.update_replicas([b])
+    assert seen.stats[-1] == {"b": {QUEUE_DEPTH: 0, KV_CACHE_USAGE: 0.0}}
+    request = PendingRequest(args=[RoutedRequest(prompt_block_hashes(SYSTEM, BLOCK), request_id="ingress-7")],
+                             kwargs={}, metadata=RequestMetadata(request_id="serve-id", internal_request_id="int-x"))
+    [[chosen]] = await router.choose_replicas(router._replicas_list, request)
+    router.on_request_routed(request, chosen.replica_id, result=None)
+    assert [(d.request_id, d.replica, d.prompt_blocks) for d in seen.decisions] == [("ingress-7", "b", 4)]
+
+
 async def test_when_every_replica_is_busy_the_router_still_ranks_them_all():
     replicas = [StubReplica(name, 50, max_ongoing_requests=1) for name in "abc"]
     router = make_router(replicas)
@@ -192,19 +246,20 @@ async def test_a_busy_prefix_replica_makes_the_request_wait_in_serves_queue_not_
 
 
 async def test_a_replica_other_than_the_preferred_one_taking_the_request_is_reported_as_preferred_busy():
-    seen: list[RoutingDecision] = []
+    seen = DecisionLog()
     a, b = StubReplica("a"), StubReplica("b")
     router = make_router([a, b])
-    router.add_decision_listener(seen.append)
-    router.add_decision_listener(lambda decision: 1 / 0)  # a broken hook does not break routing
+    router.add_listener(seen)
+    router.add_listener(BrokenListener())  # a broken listener does not break routing
     home = await route(router, SYSTEM)
     request = pending(SYSTEM + [5] * 4)
     [[preferred], [fallback]] = await router.choose_replicas(router._replicas_list, request)
     assert preferred.replica_id.unique_id == home
     router.on_request_routed(request, fallback.replica_id, result=None)
-    assert [(d.replica, d.reason) for d in seen] == [
+    assert [(d.replica, d.reason) for d in seen.decisions] == [
         (home, "least_loaded"), (fallback.replica_id.unique_id, "preferred_busy")]
-    assert seen[0].request_id.startswith("req-")
+    assert seen.decisions[0].request_id.startswith("req-")
+    assert seen.decisions[0].prompt_blocks == len(SYSTEM) // BLOCK
     # the replica that took it now has the prefix too
     assert router.index.match_lengths(prompt_block_hashes(SYSTEM, BLOCK), router._get_curr_time_s()) == {
         preferred.replica_id: 4, fallback.replica_id: 4}
@@ -213,11 +268,11 @@ async def test_a_replica_other_than_the_preferred_one_taking_the_request_is_repo
 def test_serve_options_name_this_router_with_its_settings_or_nothing_for_serve_default():
     assert request_router_config(RoutingConfig(mode="serve-default")) is None
     routing = RoutingConfig(max_imbalance=2, stats_period_s=0.5)
-    options = request_router_config(routing, decision_hook="json:dumps")
+    options = request_router_config(routing, listener=f"{__name__}:MODULE_LISTENER")
     assert options.get_request_router_class() is PrefixAwareRouter
     assert options.request_routing_stats_period_s == 0.5
     router = PrefixAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
     router.initialize_state(**options.request_router_kwargs)
-    assert router.config.max_imbalance == 2 and len(router._listeners) == 1
+    assert router.config.max_imbalance == 2 and router._listeners == [MODULE_LISTENER]
     with pytest.raises(ValueError, match="serve-default"):
         router.initialize_state(routing={"mode": "serve-default"})

@@ -21,9 +21,17 @@ OTHER_SYSTEM = list(range(700, 732))
 DECISIONS: list[RoutingDecision] = []
 
 
-def record_decision(decision: RoutingDecision) -> None:
-    """The router's decision hook, named by import path in request_router_kwargs."""
-    DECISIONS.append(decision)
+class DecisionRecorder:
+    """The router's listener, named by import path in request_router_kwargs."""
+
+    def on_decision(self, decision: RoutingDecision) -> None:
+        DECISIONS.append(decision)
+
+    def on_replica_stats(self, stats) -> None:
+        pass
+
+
+RECORDER = DecisionRecorder()
 
 
 @pytest.mark.timeout(240)
@@ -33,7 +41,7 @@ async def test_a_shared_prefix_sticks_to_one_replica_and_a_new_prefix_takes_the_
     routing = RoutingConfig(block_size=BLOCK, stats_period_s=0.2)
 
     @serve.deployment(num_replicas=2, max_ongoing_requests=8, ray_actor_options={"num_cpus": 0},
-                      request_router_config=request_router_config(routing, f"{__name__}:record_decision"))
+                      request_router_config=request_router_config(routing, f"{__name__}:RECORDER"))
     class WhoAmI:
         async def __call__(self, routed: RoutedRequest) -> str:
             assert isinstance(routed, RoutedRequest)  # the replica receives what the router read

@@ -11,7 +11,7 @@ from ray.serve.schema import ServeDeploySchema
 from app.autoscaling import METRICS_INTERVAL_S, QUEUE_DEPTH_METRIC, QueueDepthPolicy
 from app.cli import build_parser, serve_args_from
 from app.config import ServeArgs
-from app.deployment import deployment_options, max_ongoing_requests, placement_group_bundles
+from app.deployment import build_app, deployment_options, max_ongoing_requests, placement_group_bundles
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "configs" / "serve.yaml"
 
@@ -79,6 +79,22 @@ def test_the_request_router_serves_only_where_there_can_be_several_replicas():
     routing = config.request_router_kwargs["routing"]
     assert (routing["mode"], routing["max_imbalance"], routing["block_size"]) == ("load", 2, 32)
     assert config.request_routing_stats_period_s == ServeArgs().routing_stats_period_s
+
+
+def test_an_ingress_fronts_the_engine_replicas_wherever_the_request_router_serves():
+    for alone in (ServeArgs(), ServeArgs(num_replicas=2, routing="serve-default")):
+        deployment = build_app(alone)._bound_deployment
+        assert deployment.name == "LLMServer"  # Serve's proxy calls the replicas' own HTTP app: no extra hop
+    for routing in ("prefix", "load"):
+        ingress = build_app(ServeArgs(max_replicas=3, routing=routing, ingress_replicas=2))._bound_deployment
+        engine = ingress.init_args[1]._bound_deployment
+        assert (ingress.name, ingress.num_replicas, ingress.ray_actor_options) == ("OpenAIIngress", 2, {"num_cpus": 0.1})
+        assert engine.name == "LLMServer"
+        router = engine._deployment_config.request_router_config
+        assert router.request_router_kwargs["listener"] == "app.routing.telemetry:TELEMETRY"
+        assert router.request_router_kwargs["routing"]["mode"] == routing
+        # the ingress holds as many requests as the engine replicas and their routers' queues together
+        assert ingress.max_ongoing_requests * 2 >= 3 * (engine.max_ongoing_requests + ServeArgs().max_waiting_requests)
 
 
 class Ctx:

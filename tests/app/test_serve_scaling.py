@@ -13,13 +13,14 @@ import pytest
 from tests.app.conftest import API_KEY, SERVED_NAME, tiny_serve_args
 
 
-def running_replicas(app_name: str) -> int:
+def running_replicas(app_name: str, deployment: str = "LLMServer") -> int:
+    """Running replicas of the application's engine deployment (not its ingress)."""
     from ray import serve
 
     app = serve.status().applications.get(app_name)
-    if app is None:
+    if app is None or deployment not in app.deployments:
         return 0
-    return sum(d.replica_states.get("RUNNING", 0) for d in app.deployments.values())
+    return app.deployments[deployment].replica_states.get("RUNNING", 0)
 
 
 async def wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -57,7 +58,7 @@ async def test_replicas_follow_engine_queue_depth_up_and_back_down(serve_cluster
             load = [asyncio.create_task(keep_busy(http)) for _ in range(10)]
             try:
                 await wait_for(lambda: running_replicas("autoscale") == 2, 90, "a second replica under load")
-                # with several replicas possible, the request router (app/routing/) reads each one's load
+                # with several replicas possible, the ingress's request router (app/routing/) reads each one's load
                 load_report = await serve.get_deployment_handle("LLMServer", "autoscale").record_routing_stats.remote()
                 assert load_report["queue_depth"] >= 1 and 0 < load_report["kv_cache_usage"] <= 1
             finally:

@@ -226,6 +226,15 @@ def test_distinct_prompts_share_no_leading_block_unless_a_shared_prefix_is_asked
     assert {len(any_tokenizer(p)["input_ids"]) for p in prompts} == {64}
 
 
+def test_several_shared_prefixes_each_lead_some_prompts(any_tokenizer):
+    builder = PromptBuilder(any_tokenizer, 64, shared_prefix_tokens=24, num_shared_prefixes=4, seed=0)
+    assert len(set(builder.prefixes)) == 4
+    prompts = builder.build(40)
+    leading = [next(i for i, prefix in enumerate(builder.prefixes) if p.startswith(prefix)) for p in prompts]
+    assert set(leading) == {0, 1, 2, 3}
+    assert {len(any_tokenizer(p)["input_ids"]) for p in prompts} == {64}
+
+
 def test_same_seed_gives_the_same_prompts(any_tokenizer):
     assert PromptBuilder(any_tokenizer, 48, seed=7).build(5) == PromptBuilder(
         any_tokenizer, 48, seed=7

@@ -10,6 +10,7 @@ from bench.client import RequestResult, error_message, normalize_base_url
 from bench.report import (
     RunSummary,
     append_csv,
+    format_details,
     format_ratios,
     format_table,
     read_csvs,
@@ -28,6 +29,7 @@ SETTINGS = dict(
     prompt_tokens=10,
     output_tokens=3,
     shared_prefix_tokens=0,
+    num_shared_prefixes=0,
     seed=0,
 )
 
@@ -93,15 +95,26 @@ def test_a_run_where_everything_failed_has_no_latency_figures():
 
 def test_csv_rows_read_back_as_the_same_summaries(tmp_path):
     path = str(tmp_path / "runs.csv")
-    first = RunSummary.from_records([_record(0, 0.0, [0.1, 0.2, 0.3])], 0.31, SETTINGS)
+    reported = _record(0, 0.0, [0.1, 0.2, 0.3])
+    reported.cached_tokens = 4
+    first = RunSummary.from_records([reported], 0.31, SETTINGS)
     rated = RunSummary.from_records(
-        [_record(0, 0.0, [0.1, 0.2, 0.3])],
+        [reported],
         0.31,
         {**SETTINGS, "request_rate": 4.0, "concurrency": None, "label": "vllm"},
     )
     append_csv(path, [first])
     append_csv(path, [rated])
     assert read_csvs([path]) == [first, rated]
+
+
+def test_the_prefix_cache_hit_rate_is_cached_over_prompt_tokens_where_the_server_says():
+    records = [_record(0, 0.0, [0.1, 0.2]), _record(1, 0.0, [0.1, 0.2]), _record(2, 0.0, [0.1, 0.2])]
+    assert math.isnan(RunSummary.from_records(records, 1.0, SETTINGS).prefix_cache_hit_rate)
+    records[0].cached_tokens, records[1].cached_tokens = 8, 0  # the third request's usage said nothing
+    summary = RunSummary.from_records(records, 1.0, SETTINGS)
+    assert summary.prefix_cache_hit_rate == pytest.approx(8 / 20)
+    assert "40.0% of prompt tokens were cached" in format_details(summary)
 
 
 def test_appending_to_a_csv_with_other_columns_is_refused(tmp_path):

@@ -124,3 +124,13 @@ def test_otlp_endpoint_without_a_scheme_is_reported(ops_tree):
                   '# otlp_traces_endpoint = "http://otel-collector.observability.svc.cluster.local:4318/v1/traces"',
                   'otlp_traces_endpoint = "otel-collector.observability:4317"')
     only_rule(findings_of(ops_tree), "serve-args", "otlp_traces_endpoint 'otel-collector.observability:4317'")
+
+
+def test_gpu_workers_scraped_on_a_port_ray_does_not_export_metrics_on_are_reported(ops_tree):
+    ops_tree.edit(RAYSERVICE_YAML, '          metrics-export-port: "8080"', '          metrics-export-port: "9090"')
+    only_rule(findings_of(ops_tree), "metrics-export-port", 'metrics-export-port "8080"')
+
+
+def test_terraform_gpu_workers_scraped_on_the_serve_port_are_reported(ops_tree):
+    ops_tree.edit(SHARDSERVE, '"prometheus.io/port"   = tostring(local.metrics_export_port)', '"prometheus.io/port"   = "8000"')
+    only_rule(findings_of(ops_tree), "prometheus-annotations", "8080")

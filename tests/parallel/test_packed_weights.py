@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import no_packing, pack_for_onednn
+from kernels.linear import PackedLinearWeight, no_packing, pack_for_onednn
 from parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -14,6 +14,25 @@ from parallel.layers import (
     weight_bytes,
 )
 from parallel.state import ParallelContext
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs weights of this dtype (bfloat16 needs AVX-512 or AVX-NE-CONVERT)."""
+    try:
+        PackedLinearWeight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_a_weight_onednn_cannot_pack_is_left_as_it_is(monkeypatch):
+    def refuse(self, weight):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    monkeypatch.setattr(PackedLinearWeight, "__init__", refuse)
+    assert pack_for_onednn(torch.zeros(8, 8, dtype=torch.bfloat16)) is None
+    with pytest.raises(RuntimeError):  # float32 always packs: a failure there is a real one
+        pack_for_onednn(torch.zeros(8, 8, dtype=torch.float32))
 
 
 def filled(module, generator):
@@ -39,6 +58,10 @@ def test_packed_layers_compute_what_f_linear_computes(dtype):
     x = torch.randn(7, 64, generator=generator).to(dtype)
     h = torch.randn(7, 96, generator=generator).to(dtype)
 
+    if not onednn_packs(dtype):  # bfloat16 on a CPU without AVX-512: left dense, F.linear multiplies it
+        assert pack_linear_weights(model, pack_for_onednn) == 0
+        assert torch.equal(model["down"](h), F.linear(h, dense["down"], bias))
+        return
     assert pack_linear_weights(model, pack_for_onednn) == 3
 
     assert model["up"].weight.numel() == 0 and model["down"].weight.numel() == 0  # released

@@ -39,9 +39,12 @@ locals {
     }]
   }
 
+  # Each worker's Ray metrics export: its replica's series and, where the ingress runs, the routing series
+  # (as ray_shardserve_*: relabel them to shardserve:*, docs/OPERATIONS.md "Scraping several replicas")
+  metrics_export_port = 8080
   prometheus_annotations = {
     "prometheus.io/scrape" = "true"
-    "prometheus.io/port"   = "8000"
+    "prometheus.io/port"   = tostring(local.metrics_export_port)
     "prometheus.io/path"   = "/metrics"
   }
 
@@ -134,14 +137,14 @@ resource "kubernetes_manifest" "rayservice" {
           }
         }
 
-        # /metrics on a worker pod's port 8000 reaches the replica in that pod: Serve's proxy
-        # prefers replicas on its own node (RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING, default on).
+        # Scraped on Ray's metrics export port, not :8000/metrics: with several replicas the ingress answers
+        # HTTP, so :8000/metrics would be the ingress's routing series, from whichever node it runs on.
         workerGroupSpecs = [{
           groupName      = "gpu"
           replicas       = var.min_replicas
           minReplicas    = var.min_replicas
           maxReplicas    = var.max_replicas
-          rayStartParams = {}
+          rayStartParams = { "metrics-export-port" = tostring(local.metrics_export_port) }
           template = {
             metadata = { annotations = local.prometheus_annotations }
             spec = {
@@ -158,7 +161,10 @@ resource "kubernetes_manifest" "rayservice" {
                 name  = "ray-worker"
                 image = var.image
                 env   = local.pod_env
-                ports = [{ name = "serve", containerPort = 8000 }]
+                ports = [
+                  { name = "serve", containerPort = 8000 },
+                  { name = "metrics", containerPort = local.metrics_export_port },
+                ]
                 resources = {
                   requests = { cpu = var.worker_cpu, memory = var.worker_memory, "nvidia.com/gpu" = var.tensor_parallel_size }
                   limits   = { cpu = var.worker_cpu, memory = var.worker_memory, "nvidia.com/gpu" = var.tensor_parallel_size }
