@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import TORCH, get_backend
-from kernels.linear import pack_for_onednn
+from kernels.linear import linear, pack_for_onednn
 from kernels.rotary import rope_cos_sin_cache
 from scripts.doc_blocks import rewrite_block, timing_body
 
@@ -98,7 +98,7 @@ def cases(generator: torch.Generator):
         yield (
             f"a decode step's linears (8 layers + LM head), batch {tokens}",
             lambda xs=inputs: [F.linear(xs[w.shape[1]], w) for w in weights],
-            lambda xs=inputs: [p.matmul(xs[w.shape[1]], None) for w, p in zip(weights, packed, strict=True)],
+            lambda xs=inputs: [linear(xs[w.shape[1]], w, None, p) for w, p in zip(weights, packed, strict=True)],
         )
 
 
