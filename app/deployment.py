@@ -49,6 +49,10 @@ GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
 # after the engine died, how long open requests get to write their error event before the replica exits
 DEAD_ENGINE_EXIT_GRACE_S = 2.0
 INGRESS_CPUS = 0.1
+# Serve's own threads in the ingress: its code, its handle's router and Serve's replica loop on one event loop,
+# as Serve's throughput-optimized mode runs them (without that mode's direct HTTP ingress), instead of three
+# threads handing every streamed message to each other (docs/BENCHMARKS.md "Routing across replicas")
+INGRESS_SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 def served_model_name(args: ServeArgs) -> str:
@@ -257,7 +261,8 @@ class OpenAIIngress:
                                                     {"shardserve.replica_id": _replica_id()})
         tracer = self.tracer_provider.get_tracer(TRACER_NAME) if self.tracer_provider is not None else None
         settings = IngressSettings(self.args.block_size, self.args.max_request_body_bytes, self.args.api_key)
-        call = ReplicaCall(engine.options(stream=True, method_name="answer_http"))
+        # gRPC between the ingress and the replicas, not object references: fewer copies per streamed message
+        call = ReplicaCall(engine.options(stream=True, method_name="answer_http", _by_reference=False))
         self.http_app = IngressApp(call, load_tokenizer(model_path(self.args)), settings, TELEMETRY, self.metrics,
                                    tracer)
         logger.info("ingress ready: routing %r over LLMServer replicas (%s)", name, self.args.routing)
@@ -284,7 +289,7 @@ def ingress_options(args: ServeArgs) -> dict[str, Any]:
         "max_ongoing_requests": max(1, capacity // args.ingress_replicas),
         # it tokenizes and relays: a tenth of a core, which also keeps it off a Ray head started with no CPUs
         # (a KubeRay head holds no model files to read the tokenizer from)
-        "ray_actor_options": {"num_cpus": INGRESS_CPUS},
+        "ray_actor_options": {"num_cpus": INGRESS_CPUS, "runtime_env": {"env_vars": INGRESS_SERVE_ENV}},
         "graceful_shutdown_timeout_s": args.shutdown_timeout,
         "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
     }

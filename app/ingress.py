@@ -11,7 +11,8 @@ LLM puts an ingress deployment in front of its engines for the same reason). For
 3. calls the engine deployment with `RoutedRequest(block_hashes, request_id)` and the request whole
    (app/forwarding.py); the replica's own HTTP app answers it, and the ingress relays every message;
 4. re-sends a request whose replica was lost before it answered (its process died, or its engine died and
-   it answered 503 engine_dead) to another replica, up to MAX_ATTEMPTS calls in all. Once a response has
+   it answered 503 engine_dead) to another replica (the router ranks the replicas that lost it last), up to
+   MAX_ATTEMPTS calls in all. Once a response has
    started, a lost replica ends it: a stream with OpenAI's in-band error event and [DONE];
 5. with tracing on, makes a SERVER span per request, parent of the replica's spans (its traceparent is
    forwarded), with the router's decision as attributes (`shardserve.routing.reason` and the rest).
@@ -22,6 +23,7 @@ GET /metrics is the ingress's own registry (app/observability/routing.py). Every
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
@@ -177,6 +179,9 @@ class IngressApp:
                     await _send_error(send, 503, REPLICA_LOST, "service_unavailable_error", "replica_lost")
                     return 503, attempt
                 self.metrics.retries.inc()
+                lost_at = self.telemetry.claim(routed.request_id)  # the router's decision for the lost call
+                if lost_at is not None:  # the next call goes elsewhere while anything else can take it
+                    routed = dataclasses.replace(routed, avoid=(*routed.avoid, lost_at.replica))
             except BackPressureError:
                 await _send_error(send, 429, "The server is overloaded: every replica's queue is full. Retry later.",
                                   "rate_limit_error", "server_overloaded")

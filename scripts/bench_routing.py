@@ -7,23 +7,27 @@ Part 1, the hop: one replica, Serve's proxy straight to the replica against prox
 512-token prompts -> 128 tokens at concurrency 10 and 50, alternated (direct, ingress, direct, ingress).
 Part 2, the routers: two replicas (one core and one torch thread each), 16 distinct 1,024-token system prompts
 (`--shared-prefix-tokens 1024 --num-shared-prefixes 16`), each request one of them drawn at random plus 64 tokens
-of its own -> 64 tokens. Each replica's KV cache (--num-kv-blocks) holds a little more than 8 of the 16 prefixes
-beside its running requests: the half that prefix routing sends it, but not every prefix. `--routing prefix`
-against `--routing serve-default`: a closed loop at concurrency 8, then Poisson arrivals at 70% of the default
-router's closed-loop request rate (equal throughput, so TTFT compares like for like). The prefix-cache hit rate
-is the servers' own count (usage.prompt_tokens_details.cached_tokens over prompt tokens). Each run starts after
-a warm-up of 32 requests that sees the prefixes once.
+of its own -> 64 tokens. Each replica's KV cache (--num-kv-blocks) holds, beside its running requests, 6 of the
+16 prefixes (fewer than the 8 that prefix routing sends each replica) or 10 (more than 8, fewer than 16): never
+every prefix. `--routing prefix` against `--routing serve-default`: a closed loop at concurrency 8 at both
+sizes, then, at the smaller, Poisson arrivals at 70% of the default router's closed-loop request rate (equal
+throughput, so TTFT compares like for like). The prefix-cache hit rate is the servers' own count
+(usage.prompt_tokens_details.cached_tokens over prompt tokens). Each run starts after a warm-up of 64 requests
+(all 16 prefixes seen, nearly always), so the figures are the steady state.
 
 Prints markdown tables; with --write-doc rewrites the routing block of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
+import os
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before anything imports Ray: every port on 127.0.0.1
+
 import argparse
 import asyncio
 import datetime
 import logging
-import os
 import platform
 import socket
 import time
@@ -48,7 +52,6 @@ def free_port() -> int:
 @contextmanager
 def local_serve(num_cpus: int = 4) -> Iterator[str]:
     """A local Ray (every port on 127.0.0.1) with Serve's proxy on a free port; yields its base URL."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     from app.proxy_errors import use_openai_errors_in_serve_proxy
 
     use_openai_errors_in_serve_proxy()
@@ -131,59 +134,64 @@ def hop_cost(base_url: str, model_dir: str, dtype: str, rounds: int) -> list[str
     return lines
 
 
-def kv_blocks_for_half_the_prefixes(concurrency: int) -> int:
-    """Blocks per replica: 8.5 prefixes' worth beside the running requests' own blocks (their prefix is shared)."""
-    prefix_blocks = PREFIX_TOKENS // BLOCK_SIZE
+def kv_blocks_for(prefixes: int, concurrency: int) -> int:
+    """Blocks per replica: `prefixes` prefixes' worth beside the running requests' own blocks."""
     own_blocks = -(-(OWN_TOKENS + OUTPUT_TOKENS + BLOCK_SIZE) // BLOCK_SIZE)
-    return int(8.5 * prefix_blocks) + concurrency * own_blocks
+    return prefixes * (PREFIX_TOKENS // BLOCK_SIZE) + concurrency * own_blocks
 
 
-def routers(base_url: str, model_dir: str, dtype: str, num_prompts: int,
-            concurrency: int) -> tuple[list[str], dict]:
+def routers(base_url: str, model_dir: str, dtype: str, num_prompts: int, concurrency: int,
+            cache_prefixes: tuple[int, int]) -> list[str]:
     from app.config import ServeArgs
     from app.deployment import build_app
-
-    num_kv_blocks = kv_blocks_for_half_the_prefixes(concurrency)
 
     def load(label: str, seed: int, rate: float | None = None) -> BenchArgs:
         return BenchArgs(base_url=base_url, model="bench", tokenizer=model_dir,
                          prompt_tokens=PREFIX_TOKENS + OWN_TOKENS, output_tokens=OUTPUT_TOKENS,
                          shared_prefix_tokens=PREFIX_TOKENS, num_shared_prefixes=NUM_PREFIXES,
-                         num_prompts=[num_prompts], concurrency=[concurrency], request_rate=rate, warmup=32,
+                         num_prompts=[num_prompts], concurrency=[concurrency], request_rate=rate, warmup=64,
                          seed=seed, progress=False, label=label)
 
-    def app(routing: str):
+    def app(routing: str, prefixes: int):
         return build_app(ServeArgs(model=model_dir, served_model_name="bench", dtype=dtype, max_model_len=2048,
                                    num_replicas=2, cpus_per_rank=1.0, cpu_threads=1, routing=routing,
-                                   num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE))
+                                   num_kv_blocks=kv_blocks_for(prefixes, concurrency), block_size=BLOCK_SIZE))
 
-    closed: dict[str, RunSummary] = {}
-    for routing in ("serve-default", "prefix"):
-        print(f"routers, closed loop: {routing}", flush=True)
-        [closed[routing]] = run_app(base_url, app(routing), [load(routing, seed=1)])
-    rate = round(0.7 * closed["serve-default"].request_throughput, 2)
+    runs: list[tuple[str, int, dict[str, RunSummary]]] = []
+    small, large = cache_prefixes
+    for prefixes in (small, large):
+        closed: dict[str, RunSummary] = {}
+        for routing in ("serve-default", "prefix"):
+            print(f"routers, closed loop, cache of {prefixes} prefixes: {routing}", flush=True)
+            [closed[routing]] = run_app(base_url, app(routing, prefixes), [load(routing, seed=1)])
+        runs.append((f"closed loop, concurrency {concurrency}", prefixes, closed))
+    rate = round(0.7 * runs[0][2]["serve-default"].request_throughput, 2)
     paced: dict[str, RunSummary] = {}
     for routing in ("serve-default", "prefix"):
-        print(f"routers, {rate} req/s: {routing}", flush=True)
-        [paced[routing]] = run_app(base_url, app(routing), [load(routing, seed=2, rate=rate)])
-    lines = ["| load | router | prefix-cache hit rate | output tok/s | req/s | TTFT mean ms | TTFT p95 ms "
-             "| TPOT mean ms | failed |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, runs in ((f"closed loop, concurrency {concurrency}", closed), (f"Poisson {rate} req/s", paced)):
+        print(f"routers, {rate} req/s, cache of {small} prefixes: {routing}", flush=True)
+        [paced[routing]] = run_app(base_url, app(routing, small), [load(routing, seed=2, rate=rate)])
+    runs.append((f"Poisson {rate} req/s", small, paced))
+
+    lines = ["| load | cache holds | router | prefix-cache hit rate | output tok/s | req/s | TTFT mean ms "
+             "| TTFT p95 ms | TPOT mean ms | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, prefixes, by_router in runs:
         for routing in ("serve-default", "prefix"):
-            s = runs[routing]
-            lines.append(f"| {name} | {routing} | {100 * s.prefix_cache_hit_rate:.1f}% | {s.output_throughput:.0f} | "
+            s = by_router[routing]
+            lines.append(f"| {name} | {prefixes} of {NUM_PREFIXES} prefixes | {routing} | "
+                         f"{100 * s.prefix_cache_hit_rate:.1f}% | {s.output_throughput:.0f} | "
                          f"{s.request_throughput:.2f} | {s.ttft_mean_ms:.0f} | {s.ttft_p95_ms:.0f} | "
                          f"{s.tpot_mean_ms:.1f} | {s.failures} |")
-    ratios = {
-        "hit rate (closed loop)": closed["prefix"].prefix_cache_hit_rate / closed["serve-default"].prefix_cache_hit_rate,
-        "throughput (closed loop)": closed["prefix"].output_throughput / closed["serve-default"].output_throughput,
-        f"TTFT p95 at {rate} req/s": paced["prefix"].ttft_p95_ms / paced["serve-default"].ttft_p95_ms,
-        f"TTFT mean at {rate} req/s": paced["prefix"].ttft_mean_ms / paced["serve-default"].ttft_mean_ms,
-    }
-    lines += ["", "prefix / serve-default: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()),
-              "", f"KV cache per replica: {num_kv_blocks} blocks of {BLOCK_SIZE} tokens "
-              f"({num_kv_blocks * BLOCK_SIZE / PREFIX_TOKENS:.1f} prefixes' worth, running requests included)."]
-    return lines, ratios
+    lines.append("")
+    for name, prefixes, by_router in runs:
+        prefix, default = by_router["prefix"], by_router["serve-default"]
+        lines.append(
+            f"- {name}, cache of {prefixes} prefixes: prefix / serve-default hit rate "
+            f"{prefix.prefix_cache_hit_rate / default.prefix_cache_hit_rate:.2f}x, throughput "
+            f"{prefix.output_throughput / default.output_throughput:.2f}x, TTFT mean "
+            f"{prefix.ttft_mean_ms / default.ttft_mean_ms:.2f}x, TTFT p95 {prefix.ttft_p95_ms / default.ttft_p95_ms:.2f}x")
+    lines += ["", f"KV cache per replica: {kv_blocks_for(small, concurrency)} or {kv_blocks_for(large, concurrency)} "
+              f"blocks of {BLOCK_SIZE} tokens ({small} or {large} prefixes plus {concurrency} requests' own blocks)."]
+    return lines
 
 
 def main(argv=None) -> None:
@@ -192,6 +200,8 @@ def main(argv=None) -> None:
     parser.add_argument("--hop-rounds", type=int, default=2, help="alternated rounds of the hop measurement")
     parser.add_argument("--prompts", type=int, default=160, help="measured requests per router run")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--cache-prefixes", type=int, nargs=2, default=(6, 10), metavar=("SMALL", "LARGE"),
+                        help="prefixes each replica's KV cache holds beside its running requests, in two runs")
     parser.add_argument("--no-hop", dest="hop", action="store_false")
     parser.add_argument("--no-routers", dest="routers", action="store_false")
     parser.add_argument("--write-doc", action="store_true")
@@ -203,21 +213,29 @@ def main(argv=None) -> None:
     model_dir = args.model or str(ensure_bench_model())
     dtype = "bfloat16" if cpu_supports_bf16() else "float32"
     sections = [f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()} "
-                f"({platform.processor() or 'CPU'}), {os.cpu_count()} cores, model {os.path.basename(model_dir)} "
+                f"({cpu_model()}), {os.cpu_count()} cores, model {os.path.basename(model_dir)} "
                 f"({dtype}), sampled at the server's default (temperature 1.0)."]
     with local_serve() as base_url:
         if args.hop:
             sections += ["", f"**The ingress's hop**, one replica, 512 -> 128 tokens, mean of {args.hop_rounds} "
                          "alternated rounds:", "", *hop_cost(base_url, model_dir, dtype, args.hop_rounds)]
         if args.routers:
-            lines, _ = routers(base_url, model_dir, dtype, args.prompts, args.concurrency)
+            lines = routers(base_url, model_dir, dtype, args.prompts, args.concurrency, tuple(args.cache_prefixes))
             sections += ["", f"**Prefix routing against Serve's default router**, 2 replicas, {NUM_PREFIXES} "
                          f"system prompts of {PREFIX_TOKENS} tokens + {OWN_TOKENS} own -> {OUTPUT_TOKENS} tokens, "
-                         f"{args.prompts} requests per run after 32 warm-up:", "", *lines]
+                         f"{args.prompts} requests per run after 64 warm-up:", "", *lines]
     body = "\n".join(sections + ["", "Command: `python -m scripts.bench_routing --write-doc` (in `make bench`)"])
     print(body)
     if args.write_doc:
         rewrite_block(BEGIN, END, body, "Routing across replicas")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
 
 
 def _mean(summaries: list[RunSummary], name: str) -> float:

@@ -17,3 +17,4 @@ class RoutedRequest:
 
     block_hashes: tuple[bytes, ...] = ()
     request_id: str = ""  # the ingress's id of the request ("": the decision takes Serve's request id)
+    avoid: tuple[str, ...] = ()  # replicas (Serve's unique_id) that lost this request before: ranked last

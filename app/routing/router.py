@@ -126,12 +126,15 @@ class PrefixAwareRouter(RequestRouter):
             r.replica_id: replica_load(r.routing_stats, self._replica_queue_len_cache.get(r.replica_id))
             for r in candidate_replicas
         }
-        by_load = sorted(candidate_replicas,
-                         key=lambda r: self._load_order(r.replica_id, loads[r.replica_id]))
         routed = routed_request(pending_request)
+        avoid = set(routed.avoid) if routed is not None else set()
+        # replicas that lost this request before go last; one of them still serves if nothing else can
+        by_load = sorted(candidate_replicas, key=lambda r: (
+            r.replica_id.unique_id in avoid, *self._load_order(r.replica_id, loads[r.replica_id])))
         block_hashes = routed.block_hashes if routed is not None and self.config.mode == "prefix" else ()
         lengths = self.index.match_lengths(block_hashes, now, loads) if block_hashes else {}
-        chosen, reason = self._decide(by_load, loads, lengths)
+        preferred = [r for r in by_load if r.replica_id.unique_id not in avoid] or by_load
+        chosen, reason = self._decide(preferred, loads, lengths)
         if block_hashes:
             self.index.insert(chosen.replica_id, block_hashes, now)
         if pending_request is not None:

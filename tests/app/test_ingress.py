@@ -69,13 +69,13 @@ class Replicas:
         index = len(self.calls) % len(self.apps)
         self.calls.append((routed, request, index))
         fault = self.faults.pop(0) if self.faults else None
-        if fault == "lost":
-            raise ActorDiedError()
         if fault == "backpressure":
             raise BackPressureError(num_queued_requests=8, max_queued_requests=8)
         if self.telemetry is not None:  # what the router would report for this call
             self.telemetry.on_decision(RoutingDecision(routed.request_id, f"replica-{index}", "prefix_hit", 2, 1.0,
                                                        len(routed.block_hashes)))
+        if fault == "lost":
+            raise ActorDiedError()
         if fault == "dead-engine":
             self.engines[index].fail_with = _engine_dead()
         async for message in answer_forwarded(self.apps[index], request):
@@ -174,14 +174,18 @@ async def test_forwarded_answers_are_the_replicas_own_streams_included():
 
 
 async def test_a_request_whose_replica_is_lost_before_answering_is_sent_to_another():
-    replicas = Replicas()
+    replicas = Replicas(num=3, telemetry=RoutingTelemetry())
     replicas.faults = ["lost", "dead-engine"]
     async with client_of(make_ingress(replicas)) as client:
         r = await client.post("/v1/chat/completions", json=chat("hi"), headers=AUTH)
         metrics = (await client.get("/metrics")).text
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    assert len(replicas.calls) == 3 and len({routed for routed, _, _ in replicas.calls}) == 1  # the same request
+    calls = [routed for routed, _, _ in replicas.calls]
+    assert len(calls) == 3 and {(c.request_id, c.block_hashes) for c in calls} == {
+        (calls[0].request_id, calls[0].block_hashes)}  # the same request each time
+    # each call asks the router to avoid the replicas that lost it before
+    assert [c.avoid for c in calls] == [(), ("replica-0",), ("replica-0", "replica-1")]
     assert retries(metrics) == 2
 
 

@@ -217,6 +217,22 @@ async def test_listeners_hear_each_live_replicas_report_and_a_routed_request_car
     assert [(d.request_id, d.replica, d.prompt_blocks) for d in seen.decisions] == [("ingress-7", "b", 4)]
 
 
+async def test_a_request_sent_again_avoids_the_replicas_that_lost_it_while_another_can_take_it():
+    a, b, c = StubReplica("a", 0), StubReplica("b", 3), StubReplica("c", 5)
+    router = make_router([a, b, c])
+    assert await route(router, SYSTEM) == "a"
+    hashes = prompt_block_hashes(SYSTEM, BLOCK)
+    again = PendingRequest(args=[RoutedRequest(hashes, avoid=("a",))], kwargs={},
+                           metadata=RequestMetadata(request_id="r", internal_request_id="again"))
+    ranks = await router.choose_replicas(router._replicas_list, again)
+    assert [r.replica_id.unique_id for [r] in ranks] == ["b", "c", "a"]  # a is still there, last
+    only_a = make_router([StubReplica("a", 0)])
+    alone = PendingRequest(args=[RoutedRequest(hashes, avoid=("a",))], kwargs={},
+                           metadata=RequestMetadata(request_id="r2", internal_request_id="alone"))
+    [[chosen]] = await only_a.choose_replicas(only_a._replicas_list, alone)
+    assert chosen.replica_id.unique_id == "a"  # nothing else to take it
+
+
 async def test_when_every_replica_is_busy_the_router_still_ranks_them_all():
     replicas = [StubReplica(name, 50, max_ongoing_requests=1) for name in "abc"]
     router = make_router(replicas)

@@ -88,7 +88,10 @@ def test_an_ingress_fronts_the_engine_replicas_wherever_the_request_router_serve
     for routing in ("prefix", "load"):
         ingress = build_app(ServeArgs(max_replicas=3, routing=routing, ingress_replicas=2))._bound_deployment
         engine = ingress.init_args[1]._bound_deployment
-        assert (ingress.name, ingress.num_replicas, ingress.ray_actor_options) == ("OpenAIIngress", 2, {"num_cpus": 0.1})
+        assert (ingress.name, ingress.num_replicas, ingress.ray_actor_options["num_cpus"]) == ("OpenAIIngress", 2, 0.1)
+        # Serve's code, router and loop share one thread in the ingress process, not in the engine replicas
+        assert ingress.ray_actor_options["runtime_env"]["env_vars"]["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
+        assert "runtime_env" not in engine.ray_actor_options
         assert engine.name == "LLMServer"
         router = engine._deployment_config.request_router_config
         assert router.request_router_kwargs["listener"] == "app.routing.telemetry:TELEMETRY"
