@@ -39,7 +39,7 @@ stress: install
 # Every figure in docs/BENCHMARKS.md (about 40 minutes on 2 cores, plus about an hour for the side by side
 # with vLLM): offline engine vs HF vs the forward-pass limit, the sampler alone, the serving load test
 # (shardserve bench), the serving path's overhead, TP step times, prefix caching and swap, routing across replicas
-# (the ingress's hop, prefix routing against Serve's default; ~30 minutes), tracing
+# (the ingress's hop, prefix routing against Serve's default; ~55 minutes here), tracing
 # overhead, and vLLM's CPU build beside shardserve (scripts/setup_peer.sh installs it once, ~3 minutes).
 # Each step rewrites its own block of the doc.
 bench: install

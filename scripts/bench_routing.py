@@ -9,8 +9,8 @@ Part 2, the routers: two replicas (one core and one torch thread each), 16 disti
 (`--shared-prefix-tokens 1024 --num-shared-prefixes 16`), each request one of them drawn at random plus 64 tokens
 of its own -> 64 tokens. Each replica's KV cache (--num-kv-blocks) holds, beside its running requests, 6 of the
 16 prefixes (fewer than the 8 that prefix routing sends each replica) or 10 (more than 8, fewer than 16): never
-every prefix. `--routing prefix` against `--routing serve-default`: a closed loop at concurrency 8 at both
-sizes, then, at the smaller, Poisson arrivals at 70% of the default router's closed-loop request rate (equal
+every prefix. `--routing prefix` against `--routing serve-default` at both sizes: a closed loop at concurrency 8,
+then Poisson arrivals at 70% of the default router's closed-loop request rate with the smaller cache (equal
 throughput, so TTFT compares like for like). The prefix-cache hit rate is the servers' own count
 (usage.prompt_tokens_details.cached_tokens over prompt tokens). Each run starts after a warm-up of 64 requests
 (all 16 prefixes seen, nearly always), so the figures are the steady state.
@@ -165,12 +165,13 @@ def routers(base_url: str, model_dir: str, dtype: str, num_prompts: int, concurr
             print(f"routers, closed loop, cache of {prefixes} prefixes: {routing}", flush=True)
             [closed[routing]] = run_app(base_url, app(routing, prefixes), [load(routing, seed=1)])
         runs.append((f"closed loop, concurrency {concurrency}", prefixes, closed))
-    rate = round(0.7 * runs[0][2]["serve-default"].request_throughput, 2)
-    paced: dict[str, RunSummary] = {}
-    for routing in ("serve-default", "prefix"):
-        print(f"routers, {rate} req/s, cache of {small} prefixes: {routing}", flush=True)
-        [paced[routing]] = run_app(base_url, app(routing, small), [load(routing, seed=2, rate=rate)])
-    runs.append((f"Poisson {rate} req/s", small, paced))
+    rate = round(0.7 * runs[0][2]["serve-default"].request_throughput, 2)  # both routers keep up with it
+    for prefixes in (small, large):
+        paced: dict[str, RunSummary] = {}
+        for routing in ("serve-default", "prefix"):
+            print(f"routers, {rate} req/s, cache of {prefixes} prefixes: {routing}", flush=True)
+            [paced[routing]] = run_app(base_url, app(routing, prefixes), [load(routing, seed=2, rate=rate)])
+        runs.append((f"Poisson {rate} req/s", prefixes, paced))
 
     lines = ["| load | cache holds | router | prefix-cache hit rate | output tok/s | req/s | TTFT mean ms "
              "| TTFT p95 ms | TPOT mean ms | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
