@@ -2,7 +2,9 @@
 
 config (RoutingConfig), request (RoutedRequest, what the ingress passes), block_hashes (the prompt's
 chained block hashes, as the engine names them), stats (what replicas report and the load compared),
-prefix_index (the router's memory of prefixes sent), router (PrefixAwareRouter, Serve's RequestRouter).
+prefix_index (the router's memory of prefixes sent), router (PrefixAwareRouter, Serve's RequestRouter),
+telemetry (what the router tells the ingress: decisions and the replicas' reports). The ingress that builds
+RoutedRequests is app/ingress.py.
 The router module imports Ray Serve; import it from app.routing.router, not from here.
 """
 
