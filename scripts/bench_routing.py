@@ -10,8 +10,8 @@ Part 2, the routers: two replicas (one core and one torch thread each), 16 disti
 of its own -> 64 tokens. Each replica's KV cache (--num-kv-blocks) holds, beside its running requests, 6 of the
 16 prefixes (fewer than the 8 that prefix routing sends each replica) or 10 (more than 8, fewer than 16): never
 every prefix. `--routing prefix` against `--routing serve-default` at both sizes: a closed loop at concurrency 8,
-then Poisson arrivals at 70% of the default router's closed-loop request rate with the smaller cache (equal
-throughput, so TTFT compares like for like). The prefix-cache hit rate is the servers' own count
+then Poisson arrivals at 70% of the default router's closed-loop request rate (the smaller cache's), at both
+sizes (equal throughput, so TTFT compares like for like). The prefix-cache hit rate is the servers' own count
 (usage.prompt_tokens_details.cached_tokens over prompt tokens). Each run starts after a warm-up of 64 requests
 (all 16 prefixes seen, nearly always), so the figures are the steady state.
 
