@@ -17,6 +17,26 @@ import torch  # noqa: E402
 
 from engine.random_model import make_model  # noqa: E402
 
+# The longest test files (a minute or more each on 2 cores), first: `make test`'s two processes take whole files
+# in collection order, so the run does not end on one of these with the other process idle.
+LONGEST_FILES_FIRST = [
+    "tests/app/test_serve_scaling.py",
+    "tests/app/test_cli_serve.py",
+    "tests/parallel/test_tp_lifecycle.py",
+    "tests/reliability/test_load_and_bodies.py",
+    "tests/engine/test_real_model.py",
+    "tests/reliability/test_serve_recovery.py",
+    "tests/parallel/test_tp_exactness.py",
+    "tests/app/test_routing_replicas.py",
+]
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FILES_FIRST)}
+    root = Path(config.rootpath)
+    items.sort(key=lambda item: rank.get(Path(item.path).relative_to(root).as_posix(), len(rank)))
+
+
 # rope_scaling as Llama 3.1 writes it, scaled down to the tiny model's context.
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
@@ -67,6 +87,28 @@ def serve_cluster():
 
     with local_serve_cluster() as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_stray_ray_outlives_its_module():
+    """A local Ray that an offline TP engine started for itself during a test module (ensure_ray, as in a
+    user's script) is shut down after the module: the next module in this process finds no Ray, or only
+    the session's Serve cluster. `make test` runs two processes, each taking whole files in no fixed order,
+    so a later module must not inherit an earlier one's Ray with its CPU count and what was left on it."""
+    import sys
+
+    def stray() -> bool:
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():
+            return False
+        from tests.serve_cluster import RUNNING
+
+        return not RUNNING
+
+    before = stray()
+    yield
+    if not before and stray():
+        sys.modules["ray"].shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,10 @@ class ServeCluster:
         return f"http://127.0.0.1:{self.port}{route_prefix}"
 
 
+# The cluster local_serve_cluster is running in this process, if any (tests/conftest.py leaves its Ray up).
+RUNNING: list[ServeCluster] = []
+
+
 @contextmanager
 def local_serve_cluster(num_cpus: int = 4) -> Iterator[ServeCluster]:
     """Start a local Ray (every port on loopback) and Serve; shut both down on leaving."""
@@ -34,13 +38,18 @@ def local_serve_cluster(num_cpus: int = 4) -> Iterator[ServeCluster]:
     import ray
     from ray import serve
 
+    if ray.is_initialized():  # a Ray that an offline TP engine of this module started for itself (ensure_ray)
+        ray.shutdown()
     # address="local": a fresh cluster of our own even when other Ray clusters run on this machine
     ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, logging_level=logging.WARNING,
              log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cluster = ServeCluster(port)
+    RUNNING.append(cluster)
     try:
-        yield ServeCluster(port)
+        yield cluster
     finally:
+        RUNNING.remove(cluster)
         serve.shutdown()
         ray.shutdown()

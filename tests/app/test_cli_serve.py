@@ -140,11 +140,15 @@ async def test_sigterm_refuses_new_requests_and_aborts_streams_still_running_at_
             signalled = time.monotonic()
             server.send_signal(signal.SIGTERM)
             refused = None
-            # until refused, or the server has gone (a probe sent before the replica heard of the drain is
-            # admitted: it runs, or is aborted at the deadline, and answers 200 either way)
+            # until refused, or the server has gone. A probe sent before the replica heard of the drain is
+            # admitted and waits behind the eight streams (every seat is taken) until the deadline aborts it,
+            # so each probe waits half a second at most and the next one is sent: a refusal answers at once.
             while refused is None and server.poll() is None and time.monotonic() - signalled < 30:
                 try:
-                    r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+                    r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+                                        timeout=0.5)
+                except httpx.TimeoutException:
+                    continue
                 except httpx.TransportError:
                     break
                 if r.status_code == 503:
