@@ -62,6 +62,7 @@ async def test_replicas_follow_engine_queue_depth_up_and_back_down(serve_cluster
             load = [asyncio.create_task(keep_busy(http)) for _ in range(10)]
             try:
                 await wait_for(lambda: running_replicas("autoscale") == 2, 180, "a second replica under load")
+                print(f"up to 2 replicas {time.monotonic() - started:.0f} s after the load began")
                 # with several replicas possible, the ingress's request router (app/routing/) reads each one's load;
                 # the handle asks either replica, and the short requests leave one idle for a moment now and then
                 server = serve.get_deployment_handle("LLMServer", "autoscale")
@@ -71,7 +72,6 @@ async def test_replicas_follow_engine_queue_depth_up_and_back_down(serve_cluster
                 for task in load:
                     task.cancel()
                 await asyncio.gather(*load, return_exceptions=True)
-            print(f"up to 2 replicas {time.monotonic() - started:.0f} s after the load began")
             await wait_for(lambda: running_replicas("autoscale") == 1, 120, "scale-down to one idle replica")
             print(f"back to 1 replica {time.monotonic() - started:.0f} s after it began")
             ok = await http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2})
