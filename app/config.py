@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
+from app.model_defaults import GENERATION_CONFIG_FILE, load_chat_template
 from app.routing.config import RoutingConfig, RoutingMode
+from app.tool_calls.parsers import ToolCallParserName
 from engine.config import EngineConfig
 
 SERVE_CPU_BATCHED_TOKENS = 2048
@@ -17,6 +21,12 @@ HEALTH_CHECK_TIMEOUT_S = 10.0
 SamplingDefault = Literal[
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
 ]
+
+
+def engine_field(name: str, description: str, **changes: Any) -> Any:
+    """EngineConfig's own field `name` (its default and bounds, unless `changes` say otherwise), with the help
+    text that the CLI and configs/serve.yaml show for it."""
+    return FieldInfo.merge_field_infos(EngineConfig.model_fields[name], description=description, **changes)
 
 
 class ServeArgs(BaseModel):
@@ -31,40 +41,59 @@ class ServeArgs(BaseModel):
     served_model_name: str | None = Field(None, description=(
         "the model name that requests send and /v1/models lists (default: the --model path, or "
         "shardserve-demo for the demo model)"))
-    tensor_parallel_size: int = Field(1, ge=1, description=(
+    # the engine's settings: EngineConfig's own fields (default, bounds), with their help text
+    tensor_parallel_size: int = engine_field("tensor_parallel_size", (
         "ranks (GPUs, or CPU processes) that one replica's model is split across: 1, 2, 4 or 8"))
-    dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = Field("auto", description=(
+    dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = engine_field("dtype", (
         "dtype of weights and activations; auto: the checkpoint's (bfloat16 for float16 on CPU; for GGUF "
         "bfloat16 where the hardware has it, else float32)"))
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when a GPU is visible, else cpu")
-    max_num_seqs: int = Field(256, ge=1, description="most sequences in one engine batch")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description=(
+    device: Literal["auto", "cpu", "cuda"] = engine_field("device", "auto: cuda when a GPU is visible, else cpu")
+    max_num_seqs: int = engine_field("max_num_seqs", "most sequences in one engine batch")
+    max_num_batched_tokens: int | None = engine_field("max_num_batched_tokens", (
         "most tokens one engine step computes (default: 2048 on CPU, vLLM's CPU API-server default: short "
-        "steps keep first tokens and streams moving; 8192 on GPU)"))
-    max_model_len: int | None = Field(None, ge=1, description=(
+        "steps keep first tokens and streams moving; 8192 on GPU)"), default=None)
+    max_model_len: int | None = engine_field("max_model_len", (
         "context length, prompt plus completion tokens (default: the model's max_position_embeddings)"))
-    block_size: int = Field(16, ge=1, description="tokens per KV-cache block (a power of two)")
-    num_kv_blocks: int | None = Field(None, ge=1, description=(
+    block_size: int = engine_field("block_size", "tokens per KV-cache block (a power of two, at most 256)")
+    num_kv_blocks: int | None = engine_field("num_kv_blocks", (
         "KV-cache blocks per rank, instead of sizing the cache from memory (default: from --kv-cache-memory-gb, "
         "else --gpu-memory-utilization on GPU, else 2 GiB on CPU)"))
-    kv_cache_memory_gb: float | None = Field(None, gt=0, description=(
+    kv_cache_memory_gb: float | None = engine_field("kv_cache_memory_gb", (
         "GiB of KV cache per rank (default: --gpu-memory-utilization on GPU, 2 GiB on CPU)"))
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description=(
+    gpu_memory_utilization: float = engine_field("gpu_memory_utilization", (
         "share of the GPU's memory that weights, activations and KV cache may fill"))
-    enable_prefix_caching: bool = Field(True, description=(
+    enable_prefix_caching: bool = engine_field("enable_prefix_caching", (
         "reuse the KV blocks of a prompt prefix that an earlier request computed"))
-    preemption_mode: Literal["recompute", "swap"] = Field("recompute", description=(
+    preemption_mode: Literal["recompute", "swap"] = engine_field("preemption_mode", (
         "when KV blocks run out, a preempted sequence is recomputed later, or its blocks swapped to CPU memory"))
-    swap_space: float = Field(4.0, ge=0, description="GiB of CPU memory per rank for swapped-out KV blocks")
-    seed: int = Field(0, description=(
+    swap_space: float = engine_field("swap_space", "GiB of CPU memory per rank for swapped-out KV blocks")
+    seed: int = engine_field("seed", (
         "accepted as vLLM's --seed; sampling draws per request (a request's own `seed` makes it reproducible)"))
+    # what requests that leave things out get (app/model_defaults.py)
+    generation_config: str = Field("auto", description=(
+        "where requests' default sampling comes from (vLLM's flag): auto, the model directory's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens as the "
+        "default max_tokens), or the demo model's recommendation without --model; vllm: none, neutral "
+        "sampling at temperature 1; or a folder holding a generation_config.json"))
     override_generation_config: dict[SamplingDefault, float] | None = Field(None, description=(
-        "JSON sampling defaults for requests that leave them out, e.g. '{\"temperature\": 0.2, \"top_p\": 0.9}' "
-        "(default: neutral, temperature 1; the demo model's own recommendation when --model is not given)"))
-    kernel_backend: Literal["auto", "cpu", "torch", "triton"] = Field("auto", description=(
+        "JSON sampling defaults for requests that leave them out, on top of --generation-config's, e.g. "
+        "'{\"temperature\": 0.2, \"top_p\": 0.9}' (default: none)"))
+    chat_template: str | None = Field(None, description=(
+        "the Jinja chat template that renders chat messages into the prompt, instead of the tokenizer's own: "
+        "a file, or the template text itself (default: the tokenizer's)"))
+    # tool calling (app/tool_calls/)
+    enable_auto_tool_choice: bool = Field(False, description=(
+        "let the model decide whether to call a request's tools (tool_choice \"auto\", the default when a "
+        "request sends tools), its calls read from its text by --tool-call-parser; without it such a request "
+        "gets 400, as at vLLM (tool_choice \"required\" or a named function work either way)"))
+    tool_call_parser: ToolCallParserName | None = Field(None, description=(
+        "how --enable-auto-tool-choice reads calls from the model's text: hermes (<tool_call>{\"name\", "
+        "\"arguments\"}</tool_call> blocks: Qwen2.5, Qwen3, SmolLM2, and the default tool rendering of a "
+        "template without tools), llama3_json (a bare {\"name\", \"parameters\"} object, as Llama 3.1+ writes)"))
+    kernel_backend: Literal["auto", "cpu", "torch", "triton"] = engine_field("kernel_backend", (
         "attention and sampling kernels: cpu (native C++), torch (references), triton (CUDA); auto: triton "
         "on CUDA, native else torch on CPU"))
-    cpu_threads: int | None = Field(None, ge=1, description=(
+    cpu_threads: int | None = engine_field("cpu_threads", (
         "torch threads per rank on CPU (default: the cores this process may run on, shared by the ranks)"))
     # HTTP
     host: str = Field("127.0.0.1", description=(
@@ -127,11 +156,45 @@ class ServeArgs(BaseModel):
         "trace every request: http://host:4318/v1/traces (OTLP/HTTP), grpc://host:4317 (OTLP/gRPC) or "
         "console; OTEL_* variables also apply (default: off)"))
 
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_source(cls, value: str) -> str:
+        if value not in ("auto", "vllm") and not (Path(value) / GENERATION_CONFIG_FILE).is_file():
+            raise ValueError(f"generation_config must be auto, vllm or a folder that holds {GENERATION_CONFIG_FILE}; "
+                             f"{value!r} has none")
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template_text(cls, value: str | None) -> str | None:
+        """A template file is read here, once: the text is what reaches the replicas."""
+        return None if value is None else load_chat_template(value)
+
+    @model_validator(mode="after")
+    def _check_tool_calling(self) -> ServeArgs:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
+        return self
+
     @model_validator(mode="after")
     def _check_replicas(self) -> ServeArgs:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
         return self
+
+    @model_validator(mode="after")
+    def _check_engine_rules(self) -> ServeArgs:
+        """The engine's rules beyond a field's bounds (block_size a power of two, tensor_parallel_size 1, 2, 4 or
+        8), checked by EngineConfig itself when the settings are read rather than first in every replica."""
+        try:
+            EngineConfig(model=self.model or "", **{k: v for k, v in self._engine_settings().items() if v is not None})
+        except ValidationError as e:  # the engine's messages name their field
+            raise ValueError(e.errors()[0]["msg"].removeprefix("Value error, ")) from None
+        return self
+
+    def _engine_settings(self) -> dict[str, Any]:
+        fields = set(EngineConfig.model_fields) - {"model"}
+        return {k: v for k, v in self.model_dump().items() if k in fields}
 
     def routing_config(self) -> RoutingConfig | None:
         """The router's settings, or None where Serve's own router serves: `--routing serve-default`, or a
@@ -146,8 +209,7 @@ class ServeArgs(BaseModel):
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         """The EngineConfig each replica starts with."""
-        fields = set(EngineConfig.model_fields) - {"model"}
-        settings = {k: v for k, v in self.model_dump().items() if k in fields}
+        settings = self._engine_settings()
         if settings["max_num_batched_tokens"] is None:
             on_cpu = EngineConfig(model=model_dir, device=self.device).resolved_device().type == "cpu"
             default = EngineConfig.model_fields["max_num_batched_tokens"].default

@@ -30,8 +30,10 @@ from app.config import ServeArgs
 from app.drain import POLL_S, DrainGate, DrainState, ReplicaDrain
 from app.errors import RETRY_AFTER_S
 from app.forwarding import ForwardedRequest, answer_forwarded
+from app.model_defaults import default_sampling, use_chat_template
 from app.observability.replica import ReplicaObservability
 from app.routing.request import RoutedRequest
+from app.routing.router import request_router_config
 from app.routing.stats import engine_routing_stats
 from app.routing.telemetry import LISTENER
 from app.serving import OpenAIServing
@@ -63,28 +65,21 @@ def model_path(args: ServeArgs) -> str:
     """The model to load: --model, else the demo model (SmolLM2-135M-Instruct, fetched once into the cache)."""
     if args.model is not None:
         return args.model
-    from engine.demo_model import ensure_demo_model
+    from engine.checkpoint.demo import ensure_demo_model
 
     return str(ensure_demo_model())
-
-
-def default_sampling(args: ServeArgs) -> dict[str, float]:
-    """Sampling defaults for requests that leave fields out: the settings', else the demo model's."""
-    if args.override_generation_config is not None:
-        return dict(args.override_generation_config)
-    if args.model is None:
-        from engine.demo_model import DEMO_GENERATION_CONFIG
-
-        return dict(DEMO_GENERATION_CONFIG)
-    return {}
 
 
 def build_replica_app(engine: AsyncLLMEngine, args: ServeArgs, observability: ReplicaObservability,
                       drain_state: DrainState | None = None) -> FastAPI:
     """One replica's HTTP app over its engine: the OpenAI routes with stream batching, /metrics and the trace
     context (`observability`, which takes every finished request's record), and the drain gate outermost."""
-    serving = OpenAIServing(engine, served_model_name(args), args.max_waiting_requests, default_sampling(args),
-                            on_request_finished=observability.record_request)
+    use_chat_template(engine.tokenizer, args.chat_template)  # the engine loaded the replica's tokenizer
+    defaults = default_sampling(args.model, args.generation_config, args.override_generation_config)
+    serving = OpenAIServing(engine, served_model_name(args), args.max_waiting_requests, defaults,
+                            on_request_finished=observability.record_request,
+                            enable_auto_tool_choice=args.enable_auto_tool_choice,
+                            tool_call_parser=args.tool_call_parser)
     app = build_api(serving, StreamBatching(args.stream_interval_ms / 1000, args.max_stream_writes_per_s),
                     api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes)
     observability.install(app)
@@ -138,8 +133,6 @@ def deployment_options(args: ServeArgs) -> dict[str, Any]:
     }
     routing = args.routing_config()
     if routing is not None:  # called through the ingress, whose process holds the router and its telemetry
-        from app.routing.router import request_router_config  # imports Serve's router internals
-
         options["request_router_config"] = request_router_config(routing, listener=LISTENER)
     if args.num_replicas is not None:
         options["num_replicas"] = args.num_replicas
@@ -244,12 +237,13 @@ class OpenAIIngress:
     """The HTTP front of several LLMServer replicas (app/ingress.py): routes each request by its prompt."""
 
     def __init__(self, args: dict[str, Any], engine: DeploymentHandle):
+        # imported here, TELEMETRY included: Serve pickles this class by value, and TELEMETRY's lock cannot be
         from app.ingress import IngressApp, IngressSettings, ReplicaCall
         from app.observability.metrics import RayMetricsMirror
         from app.observability.routing import IngressMetrics
         from app.observability.tracing import TRACER_NAME, make_tracer_provider
         from app.routing.telemetry import TELEMETRY
-        from engine.loader import load_tokenizer
+        from engine.checkpoint.loader import load_tokenizer
 
         _configure_logging()
         _keep_replica_grpc_on_loopback()
@@ -263,8 +257,9 @@ class OpenAIIngress:
         settings = IngressSettings(self.args.block_size, self.args.max_request_body_bytes, self.args.api_key)
         # gRPC between the ingress and the replicas, not object references: fewer copies per streamed message
         call = ReplicaCall(engine.options(stream=True, method_name="answer_http", _by_reference=False))
-        self.http_app = IngressApp(call, load_tokenizer(model_path(self.args)), settings, TELEMETRY, self.metrics,
-                                   tracer)
+        tokenizer = load_tokenizer(model_path(self.args))
+        use_chat_template(tokenizer, self.args.chat_template)  # the replicas' prompts, so the same block hashes
+        self.http_app = IngressApp(call, tokenizer, settings, TELEMETRY, self.metrics, tracer)
         logger.info("ingress ready: routing %r over LLMServer replicas (%s)", name, self.args.routing)
 
     def __serve_build_asgi_app__(self):

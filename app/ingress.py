@@ -39,17 +39,17 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from app.api import api_key_matches
+from app.auth import api_key_matches
 from app.errors import RETRY_AFTER_S, error_response
 from app.forwarding import ForwardedRequest, app_path, read_body
 from app.observability.routing import IngressMetrics
 from app.observability.tracing import extract_context
 from app.prompts import chat_prompt, completion_prompts
-from app.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
-from app.proxy_errors import REPLICA_LOST
+from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.routing.block_hashes import prompt_block_hashes
 from app.routing.request import RoutedRequest
 from app.routing.telemetry import RoutingTelemetry
+from app.sse import header, is_event_stream, replica_lost_ending, replica_lost_error
 
 logger = logging.getLogger("shardserve.ingress")
 
@@ -122,7 +122,7 @@ class IngressApp:
         if model is None or request.method != "POST":
             return ()
         if self.settings.api_key is not None:
-            authorization = next((v.decode("latin-1") for k, v in request.headers if k == b"authorization"), "")
+            authorization = header(request.headers, b"authorization").decode("latin-1")
             if not api_key_matches(authorization, self.settings.api_key):
                 return ()  # no tokenizer work for a caller the replica will turn away
         try:
@@ -136,7 +136,7 @@ class IngressApp:
         return prompt_block_hashes(token_ids, self.settings.block_size)
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
-        declared = dict(scope.get("headers", ())).get(b"content-length", b"")
+        declared = header(scope.get("headers", ()), b"content-length")
         too_large = declared.isdigit() and int(declared) > self.settings.max_request_body_bytes
         # a body declared too large is not read: the replica answers 413 from the header
         body = b"" if too_large else await read_body(receive, self.settings.max_request_body_bytes + 1)
@@ -176,7 +176,8 @@ class IngressApp:
             except ReplicaLost as lost:
                 logger.warning("request %s: %s (call %d of %d)", routed.request_id, lost, attempt, MAX_ATTEMPTS)
                 if attempt == MAX_ATTEMPTS:
-                    await _send_error(send, 503, REPLICA_LOST, "service_unavailable_error", "replica_lost")
+                    info = replica_lost_error()
+                    await _send_error(send, 503, info.message, info.type, info.code)
                     return 503, attempt
                 self.metrics.retries.inc()
                 lost_at = self.telemetry.claim(routed.request_id)  # the router's decision for the lost call
@@ -263,14 +264,8 @@ async def _send_error(send: Send, status: int, message: str, type_: str, code: s
 
 async def _end_cut_response(start: Message, complete: bool, send: Send) -> None:
     """A response whose replica was lost after it started: a stream gets the error event and [DONE]."""
-    if complete:
-        return
-    content_type = next((bytes(v) for k, v in start.get("headers", []) if bytes(k).lower() == b"content-type"), b"")
-    body = b""
-    if content_type.startswith(b"text/event-stream"):
-        info = ErrorInfo(message=REPLICA_LOST, type="service_unavailable_error", code="replica_lost")
-        body = f"data: {ErrorResponse(error=info).model_dump_json()}\n\ndata: [DONE]\n\n".encode()
-    await send({"type": "http.response.body", "body": body})
+    if not complete:
+        await send({"type": "http.response.body", "body": replica_lost_ending() if is_event_stream(start) else b""})
 
 
 def _end_span(span, status: int | None, attempts: int, decision) -> None:

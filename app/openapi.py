@@ -25,13 +25,23 @@ from app.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
+from app.tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
 
 SCHEMA_REF = "#/components/schemas/{model}"
 BEARER_SCHEME = "bearerAuth"
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # what --api-key guards
 
 ERROR_DESCRIPTIONS = {
-    400: "The request is invalid: a body that is not a JSON object, a field of the wrong type or out of "
-         "range, or a prompt that does not fit the model's context. `error.param` names the field.",
+    400: "The request is invalid: a body that is not a JSON object, a field of the wrong type (types are "
+         "strict: `\"echo\": 0` is refused) or out of range, a prompt that does not fit the model's context, "
+         "an output constraint that does not compile or comes with another, a tool_choice the server cannot "
+         "honour, or a known field that this server does not implement. `error.param` names the field.",
     401: "The `Authorization: Bearer <key>` header is missing or wrong (only when the server has --api-key).",
     404: "The request names a model that this server does not serve (`error.code` is `model_not_found`).",
     413: "The body is larger than the server's --max-request-body-bytes.",
@@ -103,12 +113,38 @@ def generation_route(request: type[BaseModel], response: type[BaseModel], chunk:
     }
 
 
+def json_route(requests: tuple[type[BaseModel], ...], response: type[BaseModel], description: str) -> dict[str, Any]:
+    """Route-decorator arguments for a JSON endpoint whose body, one of `requests`, app/api.py reads by hand."""
+    refs = [{"$ref": SCHEMA_REF.format(model=request.__name__)} for request in requests]
+    return {
+        "openapi_extra": {"requestBody": {
+            "required": True, "content": {"application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}},
+        }},
+        "responses": {200: {"model": response, "description": description}, **error_responses(400, 401, 404, 413)},
+    }
+
+
 HEALTH_ROUTE = {"responses": {
     200: {"model": HealthStatus, "description": "The engine loop runs."},
     503: {"model": HealthStatus, "description": "The engine loop has stopped."},
 }}
 COMPLETIONS_ROUTE = generation_route(CompletionRequest, CompletionResponse, CompletionResponse)
 CHAT_COMPLETIONS_ROUTE = generation_route(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk)
+TOKENIZE_ROUTE = json_route((TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse, (
+    "vLLM's /tokenize: the token ids of a `prompt` as /v1/completions encodes it, or of `messages` through the "
+    "chat template as /v1/chat/completions renders them; `max_model_len` is the context they must fit in."))
+DETOKENIZE_ROUTE = json_route((DetokenizeRequest,), DetokenizeResponse, (
+    "vLLM's /detokenize: the text of token ids (each in the model's vocabulary, else a 400)."))
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+GREETING_SCHEMA = {"type": "object", "properties": {"greeting": {"type": "string", "maxLength": 40},
+                                                    "polite": {"type": "boolean"}},
+                   "required": ["greeting", "polite"], "additionalProperties": False}
 
 
 def request_examples(served_model: str) -> dict[str, dict[str, Any]]:
@@ -119,14 +155,24 @@ def request_examples(served_model: str) -> dict[str, dict[str, Any]]:
                                  "max_tokens": 16},
     }
     streamed = {"stream": True, "stream_options": {"include_usage": True}}
-    return {path: {"plain": {"summary": "One JSON response", "value": body},
-                   "stream": {"summary": "Server-Sent Events, usage in the last chunk", "value": body | streamed}}
-            for path, body in bodies.items()}
+    examples = {path: {"plain": {"summary": "One JSON response", "value": body},
+                       "stream": {"summary": "Server-Sent Events, usage in the last chunk", "value": body | streamed}}
+                for path, body in bodies.items()}
+    chat = bodies["/v1/chat/completions"]
+    examples["/v1/chat/completions"] |= {
+        "tool_call": {"summary": "A call of the one tool, its arguments decoded under its parameters",
+                      "value": chat | {"messages": [{"role": "user", "content": "The weather in Paris?"}],
+                                       "max_tokens": 64, "tools": [WEATHER_TOOL], "tool_choice": "required"}},
+        "json_schema": {"summary": "A reply that is a JSON document of the given schema",
+                        "value": chat | {"max_tokens": 64, "response_format": {"type": "json_schema", "json_schema": {
+                            "name": "greeting", "strict": True, "schema": GREETING_SCHEMA}}}},
+    }
+    return examples
 
 
 def install_openapi(app: FastAPI, served_model: str, bearer_auth: bool) -> None:
     """Serve an /openapi.json that also holds the hand-read request bodies (with examples for
-    `served_model`), the stream chunk models and, with an API key, the bearer scheme of the /v1 routes."""
+    `served_model`), the stream chunk models and, with an API key, the bearer scheme of the routes it guards."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -134,7 +180,9 @@ def install_openapi(app: FastAPI, served_model: str, bearer_auth: bool) -> None:
                                  description="An OpenAI-compatible LLM server.")
             components = schema.setdefault("components", {})
             schemas = components.setdefault("schemas", {})
-            for mode, models in (("validation", (CompletionRequest, ChatCompletionRequest)),
+            requests = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+                        DetokenizeRequest)
+            for mode, models in (("validation", requests),
                                  ("serialization", (ChatCompletionChunk,))):
                 _, defs = models_json_schema([(m, mode) for m in models], ref_template=SCHEMA_REF)
                 for name, definition in defs.get("$defs", {}).items():
@@ -144,7 +192,7 @@ def install_openapi(app: FastAPI, served_model: str, bearer_auth: bool) -> None:
             if bearer_auth:
                 components["securitySchemes"] = {BEARER_SCHEME: {"type": "http", "scheme": "bearer"}}
                 for path, item in schema["paths"].items():
-                    if path.startswith("/v1/"):
+                    if path.startswith(KEYED_PATHS):
                         for operation in item.values():
                             operation["security"] = [{BEARER_SCHEME: []}]
             app.openapi_schema = schema

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.protocol import ChatCompletionRequest, CompletionRequest
+from app.tool_calls.rendering import template_inputs
 from engine.errors import InvalidRequestError
 
 
@@ -33,11 +34,13 @@ def completion_prompts(tokenizer, req: CompletionRequest) -> list[Prompt]:
             for item in items]
 
 
-def chat_prompt(tokenizer, req: ChatCompletionRequest) -> Prompt:
-    """A chat's messages through the model's chat template, with the assistant's turn opened."""
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+def chat_prompt(tokenizer, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> Prompt:
+    """A chat's messages (and tools) through the model's chat template, with the assistant's turn opened
+    (unless `add_generation_prompt` is false: POST /tokenize may ask for the messages alone)."""
+    messages, tools = template_inputs(tokenizer, req.messages, req.tools)  # app/tool_calls/rendering.py
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **({"tools": tools} if tools else {}))
     except Exception as e:  # jinja errors: the template rejected these messages
         raise InvalidRequestError(f"The chat template cannot render these messages: {e}",
                                   param="messages") from None

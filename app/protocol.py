@@ -1,16 +1,38 @@
 """OpenAI's request and response bodies (completions, chat completions, models, errors) as pydantic models.
 
-Requests ignore unknown fields like OpenAI does; a value of the wrong type fails validation (a 400 in app/api.py).
+Requests ignore unknown fields like OpenAI does, and refuse known ones that shardserve does not implement
+(app/unsupported_fields.py). Their types are strict, as OpenAI's are: a value of the wrong type (`"echo": 0`,
+`"n": true`) fails validation (a 400 in app/api.py); a float field still takes an integer.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    WithJsonSchema,
+    model_serializer,
+    model_validator,
+)
+
+from app.structured_outputs import ResponseFormat, StructuredOutputsRequest
+from app.tool_calls.protocol import ChatTool, DeltaToolCall, ToolCall, ToolChoice
+from app.unsupported_fields import CHAT, COMPLETIONS, refuse_non_text_parts, refuse_unsupported_fields
 
 MAX_N = 128  # OpenAI's bound on `n`
+REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+TOKEN_ID_KEY = r"^[0-9]{1,9}$"
+# logit_bias: token ids (as JSON keys, so strings) -> a bias; a key that is not a token id is refused
+LogitBias = Annotated[
+    dict[Annotated[str, StringConstraints(pattern=TOKEN_ID_KEY)], float],
+    WithJsonSchema({"type": "object", "propertyNames": {"pattern": TOKEN_ID_KEY},
+                    "additionalProperties": {"type": "number"}}),
+]
 
 
 class ErrorInfo(BaseModel):
@@ -25,7 +47,7 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
 
     include_usage: bool = False
 
@@ -33,7 +55,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Sampling fields both endpoints share (OpenAI's plus vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
@@ -53,6 +75,17 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: LogitBias | None = Field(None, description=(
+        "token id (as a string) -> bias in [-100, 100] added to its logit before sampling"))
+    # constraints on the output (app/structured_outputs.py): at most one per request
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = Field(None, description=(
+        "vLLM's constraint: exactly one of json (a JSON schema), json_object, regex, choice, grammar (EBNF), "
+        "structural_tag"))
+    guided_json: str | dict | None = Field(None, description="vLLM's older form of structured_outputs.json")
+    guided_regex: str | None = Field(None, description="vLLM's older form of structured_outputs.regex")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older form of structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="vLLM's older form of structured_outputs.grammar")
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -66,20 +99,28 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        refuse_unsupported_fields(data, COMPLETIONS)
+        return data
+
 
 class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -95,6 +136,20 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ChatTool] | None = Field(None, min_length=1)
+    tool_choice: ToolChoice | None = Field(None, description=(
+        "none, auto (the default with tools; needs the server's --enable-auto-tool-choice), required, or a named "
+        "function; required and a named function are decoded under the functions' parameters"))
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default: several)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        refuse_unsupported_fields(data, CHAT)
+        if isinstance(data, dict) and isinstance(data.get("messages"), list):
+            for i, message in enumerate(data["messages"]):
+                refuse_non_text_parts(message, i)
+        return data
 
 
 class PromptTokensDetails(BaseModel):
@@ -153,7 +208,15 @@ class ChatChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None = None
+    content: str | None = None  # None where the reply is only tool calls
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_tool_calls(self, handler):  # as OpenAI: a reply without calls has no `tool_calls` key
+        body = handler(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatChoice(BaseModel):
@@ -175,6 +238,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):  # OpenAI leaves `role` out of every chunk but the first

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import RETRY_AFTER_S
 from app.protocol import ErrorInfo, ErrorResponse
+from app.sse import header, is_event_stream, replica_lost_ending, replica_lost_error
 
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "app.proxy_errors:proxy_middlewares"
@@ -35,9 +36,6 @@ SERVE_ERRORS = {
     503: ("No replica can take the request now, retry later: ", "service_unavailable_error", "service_unavailable"),
     408: ("The request timed out: ", "timeout_error", "request_timeout"),
 }
-
-
-REPLICA_LOST = "The replica serving this request stopped before it finished; retry."
 
 
 def use_openai_errors_in_serve_proxy() -> None:
@@ -98,24 +96,14 @@ class OpenAIErrorsFromServe:
 
         await self.app(scope, receive, send_openai_errors)
         if started is None:  # the replica died before answering (a client that left gets nothing either way)
-            body = _replica_lost().encode()
+            body = ErrorResponse(error=replica_lost_error()).model_dump_json().encode()
             await send({"type": "http.response.start", "status": 503, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 (b"retry-after", str(RETRY_AFTER_S).encode())]})
             await send({"type": "http.response.body", "body": body})
-        elif not complete and _header(started, b"content-type").startswith(b"text/event-stream"):
-            events = f"data: {_replica_lost()}\n\ndata: [DONE]\n\n"
-            await send({"type": "http.response.body", "body": events.encode()})
-
-
-def _replica_lost() -> str:
-    info = ErrorInfo(message=REPLICA_LOST, type="service_unavailable_error", code="replica_lost")
-    return ErrorResponse(error=info).model_dump_json()
+        elif not complete and is_event_stream(started):
+            await send({"type": "http.response.body", "body": replica_lost_ending()})
 
 
 def _is_plain_text_error(start: Message) -> bool:
-    return start["status"] >= 400 and _header(start, b"content-type").startswith(b"text/plain")
-
-
-def _header(start: Message, name: bytes) -> bytes:
-    return next((bytes(v) for k, v in start.get("headers", []) if bytes(k).lower() == name), b"")
+    return start["status"] >= 400 and header(start.get("headers", ()), b"content-type").startswith(b"text/plain")

@@ -36,13 +36,16 @@ from app.protocol import (
     CompletionResponse,
     DeltaMessage,
     ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
+from app.sse import SSE_DONE, sse, sse_error
+from app.structured_outputs import OutputConstraint, named_for_the_request, output_constraint
+from app.tool_calls.plan import plan_tool_calls
+from app.tool_calls.streaming import ChoiceToolCalls, finish_reason, whole_message
 from engine.config import SamplingParams
 from engine.errors import EngineDeadError, InvalidRequestError
 
@@ -63,13 +66,8 @@ class ChoiceState:
     text_offset: int = 0  # where the next token's text starts in the choice's full text
     started: bool = False
     num_cached_tokens: int = 0  # of its prompt's tokens, those the prefix cache already held
+    tool_calls: ChoiceToolCalls | None = None  # reads the choice's tool calls, where the request has them
 
-
-def sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
-
-
-SSE_DONE = sse("[DONE]")
 
 # Sampling fields a request may leave out, and what they mean then when the server sets no default:
 # the engine's own defaults.
@@ -83,10 +81,13 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str, max_waiting_requests: int,
                  default_sampling: dict[str, float] | None = None,
-                 on_request_finished: OnRequestFinished | None = None):
+                 on_request_finished: OnRequestFinished | None = None, enable_auto_tool_choice: bool = False,
+                 tool_call_parser: str | None = None):
         self.engine = engine
+        self.enable_auto_tool_choice = enable_auto_tool_choice  # and the parser: app/tool_calls/plan.py
+        self.tool_call_parser = tool_call_parser
         self.on_request_finished = on_request_finished
-        # what a request that leaves a sampling field out gets (vLLM's --override-generation-config)
+        # what a request that leaves a sampling field or max_tokens out gets (app/model_defaults.py)
         self.default_sampling = {**NEUTRAL_SAMPLING, **(default_sampling or {})}
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
@@ -111,7 +112,7 @@ class OpenAIServing:
             )
 
     def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                         logprobs: int | None) -> SamplingParams:
+                         logprobs: int | None, constraint: OutputConstraint | None = None) -> SamplingParams:
         """The request's sampling fields, with the server's defaults for those left out. What depends on the
         model (the context length, the vocabulary) the engine checks, once (engine/validation.py); max_tokens
         None asks for the rest of the context."""
@@ -132,18 +133,27 @@ class OpenAIServing:
             "repetition_penalty": self._or_default(req.repetition_penalty, "repetition_penalty"),
             "logprobs": logprobs,
             "skip_special_tokens": req.skip_special_tokens,
+            # the keys' shape is the schema's (digits); the engine checks the vocabulary and the range
+            "logit_bias": {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+            "structured_outputs": constraint.params if constraint is not None else None,
         }
         try:
-            return SamplingParams(**fields)
-        except InvalidRequestError as e:
-            param = e.param or next((name for name in fields if e.message.startswith(name + " ")), None)
-            raise InvalidRequestError(e.message, param=param) from None
+            return SamplingParams(**fields)  # an InvalidRequestError names its field (param)
         except ValidationError as e:
             first = e.errors()[0]
             raise InvalidRequestError(first["msg"], param=".".join(str(p) for p in first["loc"])) from None
 
     def _or_default(self, value: float | None, name: str) -> float:
         return self.default_sampling[name] if value is None else value
+
+    def _max_tokens(self, requested: int | None, prompt: Prompt) -> int | None:
+        """A request's max_tokens: its own, else the model's default (generation_config.json's max_new_tokens)
+        where the context has room for it, as vLLM does; None: the rest of the context."""
+        default = self.default_sampling.get("max_tokens")
+        room = self.engine.max_model_len - len(prompt.token_ids)
+        if requested is not None or default is None or room < 1:
+            return requested
+        return min(int(default), room)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -177,12 +187,17 @@ class OpenAIServing:
             raise InvalidRequestError("suffix is not supported.", param="suffix")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = completion_prompts(self.tokenizer, req)
-        params = [self._sampling_params(req, req.max_tokens, req.logprobs)] * len(prompts)
+        constraint = output_constraint(req)
+        params = [self._sampling_params(req, self._max_tokens(req.max_tokens, p), req.logprobs, constraint)
+                  for p in prompts]
         logger.info("%s: %d prompt(s), n=%d, stream=%s", request_id, len(prompts), req.n, req.stream)
         self.check_capacity()
-        deltas = await start_generation(self.engine, request_id, prompts, params,
-                                        RequestContext("text_completion", self.served_model_name),
-                                        self.on_request_finished)
+        try:
+            deltas = await start_generation(self.engine, request_id, prompts, params,
+                                            RequestContext("text_completion", self.served_model_name),
+                                            self.on_request_finished)
+        except InvalidRequestError as e:
+            raise named_for_the_request(e, constraint) from None
         states = [ChoiceState() for _ in range(len(prompts) * req.n)]
         echoes = [(p.text if p.text is not None else self.tokenizer.decode(p.token_ids)) if req.echo else ""
                   for p in prompts]
@@ -259,11 +274,15 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true.", param="top_logprobs")
+        plan = plan_tool_calls(req.tools, req.tool_choice, req.parallel_tool_calls, self.enable_auto_tool_choice,
+                               self.tool_call_parser)
+        constraint = output_constraint(req, plan.schema if plan is not None else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = chat_prompt(self.tokenizer, req)
-        max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        max_tokens = self._max_tokens(req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens,
+                                      prompt)
         num_top = req.top_logprobs or 0
-        params = self._sampling_params(req, max_tokens, num_top if req.logprobs else None)
+        params = self._sampling_params(req, max_tokens, num_top if req.logprobs else None, constraint)
         logger.info("%s: %d message(s), n=%d, stream=%s", request_id, len(req.messages), req.n, req.stream)
         self.check_capacity()
         try:
@@ -271,9 +290,9 @@ class OpenAIServing:
                                             RequestContext("chat", self.served_model_name), self.on_request_finished)
         except InvalidRequestError as e:
             if e.param != "prompt":
-                raise
+                raise named_for_the_request(e, constraint) from None
             raise InvalidRequestError(e.message, param="messages") from None  # a chat's prompt is its messages
-        states = [ChoiceState() for _ in range(req.n)]
+        states = [ChoiceState(tool_calls=plan.choice_calls() if plan is not None else None) for _ in range(req.n)]
         if req.stream:
             return self._chat_stream(req, request_id, prompt, states, num_top, deltas)
         async for _, delta in deltas:
@@ -285,7 +304,7 @@ class OpenAIServing:
                 state.finish_reason = out.finish_reason or state.finish_reason
                 state.num_cached_tokens = delta.num_cached_tokens
         choices = [
-            ChatChoice(index=i, message=AssistantMessage(content=state.text), finish_reason=state.finish_reason,
+            ChatChoice(index=i, **_chat_message(state),
                        logprobs=self._chat_logprobs(state.token_ids, state.logprobs, num_top) if req.logprobs else None)
             for i, state in enumerate(states)
         ]
@@ -308,12 +327,18 @@ class OpenAIServing:
                 async for _, delta in deltas:
                     choices = []
                     for out in delta.outputs:
-                        states[out.index].token_ids += out.token_ids
-                        states[out.index].num_cached_tokens = delta.num_cached_tokens
+                        state = states[out.index]
+                        state.token_ids += out.token_ids
+                        state.num_cached_tokens = delta.num_cached_tokens
                         logprobs = (self._chat_logprobs(out.token_ids, out.logprobs or [], num_top) if req.logprobs
                                     else None)
-                        choices.append(ChatStreamChoice(index=out.index, delta=DeltaMessage(content=out.text),
-                                                        logprobs=logprobs, finish_reason=out.finish_reason))
+                        message, finish = DeltaMessage(content=out.text), out.finish_reason
+                        if state.tool_calls is not None:
+                            content, fragments = state.tool_calls.delta(out.text, finished=finish is not None)
+                            message = DeltaMessage(content=content or None, tool_calls=fragments or None)
+                            finish = finish_reason(finish, state.tool_calls.num_calls)
+                        choices.append(ChatStreamChoice(index=out.index, delta=message, logprobs=logprobs,
+                                                        finish_reason=finish))
                     if choices:
                         yield chunk(choices)
             if include_usage:
@@ -332,7 +357,16 @@ def _stream_error_event(request_id: str, e: Exception) -> str:
     else:
         logger.exception("%s: failed mid-stream", request_id)
         info = ErrorInfo(message=str(e), type="InternalServerError")
-    return sse(ErrorResponse(error=info).model_dump_json())
+    return sse_error(info)
+
+
+def _chat_message(state: ChoiceState) -> dict:
+    """A finished choice's `message` and `finish_reason`: its text, or the tool calls read from it."""
+    if state.tool_calls is None:
+        return {"message": AssistantMessage(content=state.text), "finish_reason": state.finish_reason}
+    content, tool_calls = whole_message(state.tool_calls, state.text)
+    return {"message": AssistantMessage(content=content, tool_calls=tool_calls),
+            "finish_reason": finish_reason(state.finish_reason, len(tool_calls or []))}
 
 
 def _usage(prompts: Sequence[Prompt], states: Sequence[ChoiceState], n: int) -> UsageInfo:

@@ -3,6 +3,13 @@
     shardserve bench --base-url http://127.0.0.1:8000 --prompt-tokens 512 --output-tokens 128 \\
         --num-prompts 200 --concurrency 10,50,100 --label shardserve --csv runs.csv --plot runs.png
     shardserve bench report shardserve.csv vllm.csv --plot side_by_side.png --baseline vllm
+
+`vllm bench serve`'s names work too where they mean the same (--max-concurrency, --random-input-len,
+--random-output-len, --random-prefix-len, --num-warmups, --disable-tqdm, --host and --port, --backend,
+--endpoint /v1/completions, --dataset-name random), so its command lines run with the binary's name changed:
+
+    shardserve bench --backend openai-chat --endpoint /v1/chat/completions --dataset-name random \\
+        --random-input-len 512 --random-output-len 128 --num-prompts 200 --max-concurrency 10
 """
 
 from __future__ import annotations
@@ -14,6 +21,14 @@ import sys
 from bench.flags import flag_help
 from bench.report import format_ratios, format_table, plot, read_csvs
 from bench.run import BenchArgs, run_bench
+
+# --endpoint's values as vLLM spells them (its paths), and --backend's request formats
+ENDPOINT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+BACKEND_ENDPOINTS = {"vllm": "completions", "openai": "completions", "openai-chat": "chat"}
+
+
+def _endpoint(text: str) -> str:
+    return ENDPOINT_PATHS.get(text, text)
 
 
 def _int_list(text: str) -> list[int]:
@@ -36,30 +51,37 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     def flag(*names: str, field: str, **kwargs) -> None:
         parser.add_argument(*names, dest=field, help=flag_help(BenchArgs.model_fields[field]), **kwargs)
 
-    flag("--base-url", field="base_url", default=defaults.base_url)
+    # a second name is `vllm bench serve`'s for the same setting
+    flag("--base-url", field="base_url")  # None: from --host and --port, else BenchArgs' default
+    parser.add_argument("--host", help="the server's host when --base-url is not given (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="the server's port when --base-url is not given (default: 8000)")
     flag("--model", field="model")
-    flag("--endpoint", field="endpoint", choices=["completions", "chat"], default=defaults.endpoint)
+    flag("--endpoint", field="endpoint", type=_endpoint, choices=["completions", "chat"])
+    parser.add_argument("--backend", choices=list(BACKEND_ENDPOINTS), help=(
+        "vLLM's request format: openai-chat is --endpoint chat, vllm and openai are completions"))
+    parser.add_argument("--dataset-name", choices=["random"], default="random", help=(
+        "vLLM's prompt source: random is the only one here (prompts of random tokens, vLLM's default too)"))
     flag("--api-key", field="api_key")
     flag("--tokenizer", field="tokenizer")
-    flag("--prompt-tokens", field="prompt_tokens", type=int, default=defaults.prompt_tokens)
-    flag("--output-tokens", field="output_tokens", type=int, default=defaults.output_tokens)
-    flag("--shared-prefix-tokens", field="shared_prefix_tokens", type=int, default=defaults.shared_prefix_tokens)
+    flag("--prompt-tokens", "--random-input-len", field="prompt_tokens", type=int, default=defaults.prompt_tokens)
+    flag("--output-tokens", "--random-output-len", field="output_tokens", type=int, default=defaults.output_tokens)
+    flag("--shared-prefix-tokens", "--random-prefix-len", field="shared_prefix_tokens", type=int,
+         default=defaults.shared_prefix_tokens)
     flag("--num-shared-prefixes", field="num_shared_prefixes", type=int, default=defaults.num_shared_prefixes)
     flag("--num-prompts", field="num_prompts", type=_int_list, default=defaults.num_prompts)
-    flag("--concurrency", field="concurrency", type=_int_list, default=defaults.concurrency)
+    flag("--concurrency", "--max-concurrency", field="concurrency", type=_int_list, default=defaults.concurrency)
     flag("--request-rate", field="request_rate", type=float)
-    flag("--warmup", field="warmup", type=int, default=defaults.warmup)
+    flag("--warmup", "--num-warmups", field="warmup", type=int, default=defaults.warmup)
     flag("--seed", field="seed", type=int, default=defaults.seed)
     flag("--temperature", field="temperature", type=float)
-    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                        help="let EOS end a request before its output tokens (default: every request generates "
-                             "all of them)")
+    flag("--ignore-eos", field="ignore_eos", action=argparse.BooleanOptionalAction, default=defaults.ignore_eos)
     flag("--timeout", field="timeout_s", type=float, default=defaults.timeout_s)
     flag("--label", field="label", default=defaults.label)
     flag("--csv", field="csv")
     flag("--json", field="json_path")
     flag("--plot", field="plot")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    parser.add_argument("--no-progress", "--disable-tqdm", dest="progress", action="store_false",
+                        help="no progress bars")
     parser.set_defaults(func=_bench_command, bench_command=None)
 
     nested = parser.add_subparsers(dest="bench_command", metavar="report")
@@ -77,11 +99,26 @@ def _bench_command(args: argparse.Namespace) -> int:
         return report_command(
             args.csvs, plot_path=args.plot, markdown=args.markdown, baseline=args.baseline, title=args.title
         )
-    names = set(BenchArgs.model_fields)
-    bench_args = BenchArgs(**{k: v for k, v in vars(args).items() if k in names})
-    result = asyncio.run(run_bench(bench_args))
+    result = asyncio.run(run_bench(bench_args_from(args)))
     print(format_table(result.summaries))
     return 0 if all(s.successes for s in result.summaries) else 1
+
+
+def bench_args_from(args: argparse.Namespace) -> BenchArgs:
+    """The settings of a `bench` command line, vLLM's spellings (--host/--port, --backend) resolved."""
+    settings = {k: v for k, v in vars(args).items() if k in BenchArgs.model_fields}
+    if settings["base_url"] is None:
+        del settings["base_url"]
+        if args.host is not None or args.port is not None:
+            settings["base_url"] = f"http://{args.host or '127.0.0.1'}:{args.port or 8000}"
+    if args.backend is not None:
+        if settings["endpoint"] not in (None, BACKEND_ENDPOINTS[args.backend]):
+            raise SystemExit(f"shardserve bench: --backend {args.backend} sends to "
+                             f"{BACKEND_ENDPOINTS[args.backend]}, not --endpoint {settings['endpoint']}")
+        settings["endpoint"] = BACKEND_ENDPOINTS[args.backend]
+    if settings["endpoint"] is None:
+        del settings["endpoint"]
+    return BenchArgs(**settings)
 
 
 def report_command(

@@ -263,6 +263,8 @@ class AsyncLLMEngine:
         engine_loop = self._engine_loop
         if not self.is_running:
             raise EngineDeadError(engine_loop.death_reason)
+        if sampling_params.structured_outputs is not None:  # compiled off the event loop and the step loop
+            await asyncio.wrap_future(self.engine.grammar_compiler.submit(sampling_params.structured_outputs))
         request = self.engine.make_request(request_id, prompt if prompt is not None else prompt_token_ids,
                                            sampling_params, prompt_token_ids=list(prompt_token_ids))
         stream = _Stream(asyncio.get_running_loop())

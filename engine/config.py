@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.errors import InvalidRequestError, ModelLoadError
+from engine.errors import InvalidRequestError
 
 _DTYPES = {
     "float32": torch.float32,
@@ -22,7 +20,7 @@ _DTYPES = {
 
 
 class ModelConfig(BaseModel):
-    """The parts of a Hugging Face config.json the engine needs."""
+    """The parts of a Hugging Face config.json the engine needs (engine/checkpoint/model_config.py reads them)."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -45,66 +43,6 @@ class ModelConfig(BaseModel):
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     checkpoint_format: Literal["safetensors", "gguf"] = "safetensors"
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
-        """From a Hugging Face directory's config.json, or from a GGUF file's metadata (a `.gguf` path,
-        or a directory holding one and no config.json; read once, then from engine/gguf_cache.py's cache)."""
-        from engine.gguf import find_gguf_file
-        from engine.gguf_cache import unpacked_config_fields
-
-        if (gguf_file := find_gguf_file(model_dir)) is not None:
-            return cls(**unpacked_config_fields(gguf_file))
-        path = Path(model_dir)
-        if not path.is_dir():
-            raise ModelLoadError(f"model directory {str(path)!r} does not exist (models load from a local directory)")
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise ModelLoadError(f"{str(cfg_file)!r} is missing: not a Hugging Face model directory")
-        raw = json.loads(cfg_file.read_text())
-        model_type = raw.get("model_type")
-        if model_type in ("llama", "mistral"):
-            arch = "llama"
-        elif model_type in ("qwen2", "qwen3"):
-            arch = model_type
-        else:
-            raise ModelLoadError(
-                f"model_type {model_type!r} is not supported (supported: llama, mistral, qwen2, qwen3)"
-            )
-        num_heads = raw["num_attention_heads"]
-        eos = raw.get("eos_token_id")
-        gen_cfg = path / "generation_config.json"
-        if gen_cfg.is_file():
-            eos = json.loads(gen_cfg.read_text()).get("eos_token_id", eos)
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return cls(
-            architecture=arch,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=num_heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=raw.get("rope_scaling") or _rope_scaling_from_parameters(raw.get("rope_parameters")),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            # transformers' defaults: Qwen2 always has q/k/v bias, Qwen3 has none unless it says so
-            attention_bias=raw.get("attention_bias", arch == "qwen2"),
-            mlp_bias=raw.get("mlp_bias", False),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-        )
-
-
-def _rope_scaling_from_parameters(params: dict | None) -> dict | None:
-    """transformers 5 writes rope settings as `rope_parameters`; only a non-default type is scaling."""
-    if not params or params.get("rope_type", "default") == "default":
-        return None
-    return params
 
 
 class EngineConfig(BaseModel):
@@ -208,6 +146,48 @@ class EngineConfig(BaseModel):
         return max_model_len
 
 
+class StructuredOutputsParams(BaseModel):
+    """A constraint on what a request may generate (vLLM's `StructuredOutputsParams`): exactly one of a JSON
+    schema, any JSON object, a regular expression, a choice of strings, an EBNF grammar or a structural tag.
+
+    The engine compiles it with xgrammar (engine/structured_output/) and masks every step's logits with it,
+    so the output always matches; a constraint that does not compile is an InvalidRequestError (400)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    # a JSON schema (text or parsed); `json` as in vLLM (the attribute is `json_schema`: BaseModel has a `json`)
+    json_schema: str | dict | None = Field(None, alias="json")
+    json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF in xgrammar's (GBNF-like) dialect
+    structural_tag: str | None = None  # xgrammar's structural tag, as JSON text
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsParams:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise InvalidRequestError(
+                "structured_outputs takes exactly one of json, json_object, regex, choice, grammar and "
+                f"structural_tag, got {', '.join(kinds) or 'none'}",
+                param="structured_outputs",
+            )
+        if self.choice is not None and not self.choice:
+            raise InvalidRequestError("structured_outputs.choice must not be empty", param="structured_outputs")
+        return self
+
+    def kinds(self) -> list[str]:
+        """The constraints set, by their vLLM names."""
+        names = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+        set_names = [name for name in names if getattr(self, name) not in (None, False)]
+        return ["json" if name == "json_schema" else name for name in set_names]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds()[0]
+
+
 class SamplingParams(BaseModel):
     """How to pick tokens for one request (vLLM's names and meanings)."""
 
@@ -229,6 +209,9 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id -> bias added to its logit before the structured-output mask and sampling (OpenAI: -100..100)
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -239,23 +222,31 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
+        """Each rule once, as (the field it is about, whether it holds, what to change)."""
         checks = [
-            (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be at least 0, got {self.min_tokens}"),
-            (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or at least 1, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (0 < self.repetition_penalty <= 2, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (all(s for s in self.stop), "stop strings must not be empty"),
+            ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
+             f"max_tokens must be at least 1, got {self.max_tokens}"),
+            ("min_tokens", self.min_tokens >= 0, f"min_tokens must be at least 0, got {self.min_tokens}"),
+            ("temperature", self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
+            ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or at least 1, got {self.top_k}"),
+            ("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 2,
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
+             f"logprobs must be in [0, 20], got {self.logprobs}"),
+            ("stop", all(s for s in self.stop), "stop strings must not be empty"),
+            ("logit_bias", all(-100 <= b <= 100 for b in (self.logit_bias or {}).values()),
+             "logit_bias values must be in [-100, 100]"),
         ]
-        for ok, message in checks:
+        for param, ok, message in checks:
             if not ok:
-                raise InvalidRequestError(message)
+                raise InvalidRequestError(message, param=param)
         return self
 
     @property

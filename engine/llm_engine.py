@@ -10,30 +10,32 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig, SamplingParams
+from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import Detokenizer
 from engine.errors import InvalidRequestError
 from engine.executor import Executor, make_executor
 from engine.model_runner import prepare_step
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from engine.sampler import sample
-from engine.scheduler import Scheduler
+from engine.sampler import SamplingBatch
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Request
 from engine.stopping import StopChecker
+from engine.structured_output.compiler import GrammarCompiler
+from engine.structured_output.grammar import GrammarBitmask, SequenceGrammar, fill_bitmask
 from engine.validation import check_request
-from kernels.backend import get_backend
 
 RECENT_STEPS = 4096  # steps remembered for metrics between two scrapes
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from engine.loader import load_tokenizer
+        from engine.checkpoint.loader import load_tokenizer
+        from engine.checkpoint.model_config import load_model_config
 
         self.config = config
-        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.model_config = load_model_config(config.model)
         self.max_model_len = config.resolve(self.model_config)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.executor: Executor = make_executor(config, self.model_config, self.max_model_len)
@@ -45,22 +47,20 @@ class LLMEngine:
                 f"{config.block_size}), fewer than max_model_len ({self.max_model_len}): give it more memory "
                 f"(num_kv_blocks / kv_cache_memory_gb) or lower max_model_len"
             )
-        self.block_manager = BlockManager(
-            num_blocks,
-            config.block_size,
-            config.watermark,
-            enable_prefix_caching=config.enable_prefix_caching,
-            num_host_blocks=self.executor.num_host_blocks,  # 0: swap preemption falls back to recompute
-        )
         eos = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
         self.detokenizer = Detokenizer(self.tokenizer)
         self.scheduler = Scheduler(
-            config, self.block_manager, StopChecker(tuple(eos), self.max_model_len, self.detokenizer)
+            config,
+            num_blocks,
+            self.executor.num_host_blocks,
+            StopChecker(tuple(eos), self.max_model_len, self.detokenizer),
         )
-        # rank 0's logits are sampled where they were computed, by that device's fused sampler
-        self.sampling_backend = get_backend(config.kernel_backend, config.resolved_device().type)
+        # structured outputs: constraints compiled for this tokenizer (engine/structured_output/), and the
+        # thread that fills a step's grammar bitmask while the forward pass runs
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, tuple(eos))
+        self._bitmask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-bitmask")
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_mixed_steps = 0  # steps where a prefill chunk shared the batch with decodes
@@ -92,7 +92,14 @@ class LLMEngine:
         if prompt_token_ids is None:
             prompt_token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         params = check_request(prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size)
-        return Request(request_id, text, prompt_token_ids, params, arrival_time)
+        compiled = None
+        if params.structured_outputs is not None:  # cached when the async engine compiled it beforehand
+            compiled = self.grammar_compiler.compile(params.structured_outputs)
+        request = Request(request_id, text, prompt_token_ids, params, arrival_time)
+        if compiled is not None:
+            for seq in request.seqs:  # n > 1: a matcher per choice
+                seq.grammar = SequenceGrammar(compiled)
+        return request
 
     def add_request(
         self,
@@ -132,28 +139,32 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, sample, let the scheduler update its sequences, and return a delta
         for every request that advanced."""
-        self._release_swapped_out(self.executor.poll_swap_outs())
-        sched = self.scheduler.schedule()
+        scheduler = self.scheduler
+        scheduler.swap_outs_done(self.executor.poll_swap_outs())
+        sched = scheduler.schedule()
         if sched.is_empty:
             if sched.has_swaps:  # e.g. the only running sequence swapped itself out
-                self.executor.execute_model(prepare_step(sched, self.config.block_size))
-            elif self.block_manager.swap_outs_in_flight:  # nothing can run until a copy lands
-                self._release_swapped_out(self.executor.wait_swap_outs())
+                self.executor.execute_model(prepare_step(sched, self.config.block_size), None)
+            elif scheduler.has_swap_outs_in_flight:  # nothing can run until a copy lands
+                scheduler.swap_outs_done(self.executor.wait_swap_outs())
             return []
         self.num_steps += 1
         if sched.decodes and sched.prefills:
             self.num_mixed_steps += 1
         self.recent_steps.append((self.num_steps, sched.num_batched_tokens))
-        logits = self.executor.execute_model(prepare_step(sched, self.config.block_size))
-        sampled = (
-            sample(logits, sched.sampled_seqs, self.eos_token_ids, self.sampling_backend) if sched.sampled_seqs else []
-        )
-        advanced = self.scheduler.update_from_output(sched, sampled)
+        sampling = None
+        if sched.sampled_seqs:
+            sampling = SamplingBatch(sched.sampled_seqs, self.eos_token_ids, self._fill_grammar_bitmask(sched))
+        sampled = self.executor.execute_model(prepare_step(sched, self.config.block_size), sampling) or []
+        advanced = scheduler.update_from_output(sched, sampled)
         return self._deltas(dict.fromkeys(seq.request for seq in advanced))
 
-    def _release_swapped_out(self, tickets: list[int]) -> None:
-        for ticket in tickets:
-            self.block_manager.complete_swap_out(ticket)
+    def _fill_grammar_bitmask(self, sched: SchedulerOutput) -> Future[GrammarBitmask] | None:
+        """Start filling the constrained rows' bitmask on the filler thread (the forward pass runs meanwhile)."""
+        grammars = [(row, seq.grammar) for row, seq in enumerate(sched.sampled_seqs) if seq.grammar is not None]
+        if not grammars:
+            return None
+        return self._bitmask_filler.submit(fill_bitmask, grammars, self.model_config.vocab_size)
 
     def _deltas(self, requests: Iterable[Request]) -> list[RequestOutput]:
         outputs = []
@@ -203,9 +214,9 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
             num_swapped=len(self.scheduler.swapped),
-            num_free_blocks=self.block_manager.num_free_blocks,
-            num_total_blocks=self.block_manager.num_blocks,
-            kv_cache_usage=self.block_manager.usage,
+            num_free_blocks=self.scheduler.block_manager.num_free_blocks,
+            num_total_blocks=self.scheduler.block_manager.num_blocks,
+            kv_cache_usage=self.scheduler.block_manager.usage,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             num_preemptions_by_mode=dict(self.scheduler.num_preemptions_by_mode),
@@ -220,6 +231,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release what the executor started (threads, worker actors, placement group); idempotent."""
         self.executor.shutdown()
+        self.grammar_compiler.shutdown()
+        self._bitmask_filler.shutdown(wait=False)
 
 
 class LLM:

@@ -1,7 +1,8 @@
 """Turns a scheduled step into flat batch tensors and runs one forward pass on this rank's shard.
 
-`prepare()` runs on rank 0 only and yields a `StepInput` (the one message broadcast to the
-other ranks under tensor parallelism); `execute_model()` runs on every rank.
+`prepare_step()` runs on rank 0 only and yields a `StepInput` (the one message broadcast to the
+other ranks under tensor parallelism); `execute_model()` runs on every rank, and on rank 0 it also
+samples (the runner owns the sampler and the kernel backend both use, chosen once when it is built).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
+from engine.sampler import SampledToken, SamplingBatch, sample
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from kernels.backend import get_backend
 from parallel.comm import min_over_ranks
@@ -133,7 +135,7 @@ class ModelRunner:
         num_blocks: int | None = None,
         max_model_len: int | None = None,
     ):
-        from engine.loader import load_model  # heavy: transformers-free but touches safetensors
+        from engine.checkpoint.loader import load_model  # heavy: transformers-free but touches safetensors
 
         self.config = config
         self.model_config = model_config
@@ -190,8 +192,16 @@ class ModelRunner:
             torch.set_num_threads(self.cpu_threads)
             self._threads_set_on = threading.get_ident()
 
-    def execute_model(self, step: StepInput) -> torch.Tensor | None:
-        """One forward pass; returns [num_sampled, vocab] float32 logits, or None if nothing is sampled."""
+    def execute_model(self, step: StepInput, sampling: SamplingBatch | None = None) -> list[SampledToken] | None:
+        """One forward pass; on rank 0 (`sampling` given) one sampled token per sampled sequence, else None."""
+        logits = self.compute_logits(step)
+        if sampling is None or logits is None:
+            return None
+        bitmask = sampling.grammar_bitmask.result() if sampling.grammar_bitmask is not None else None
+        return sample(logits, sampling.seqs, sampling.eos_token_ids, self.backend, bitmask)
+
+    def compute_logits(self, step: StepInput) -> torch.Tensor | None:
+        """The forward pass: [num_sampled, vocab] float32 logits, or None if nothing is sampled."""
         self._use_cpu_threads()
         if self.swapper is not None:
             self.swapper.before_step(

@@ -1,5 +1,10 @@
-"""Batched token selection: penalties, then one fused op (temperature, top-k / top-p / min-p and the
-draw: kernels/sampling.py), then logprobs from the raw logits.
+"""Batched token selection: penalties, logit_bias, min_tokens' hold on EOS, the structured-output mask
+(kernels/bitmask.py), then one fused op (temperature, top-k / top-p / min-p and the draw:
+kernels/sampling.py). Logprobs are the raw logits' (before any of that), as vLLM's default
+`logprobs_mode=raw_logprobs` reports them: under a grammar a token's logprob is what the model gave it.
+
+Rank 0's model runner owns the sampler (it samples its logits where it computed them, with the kernel
+backend it was built with); the engine hands it a `SamplingBatch` naming the sequences to sample.
 
 Each sequence draws from its own counter-based stream (`Sequence.sampling_seed`, the output position
 as the counter), so a seeded request's tokens do not depend on what else is in the batch, on prefix
@@ -8,13 +13,25 @@ cache hits or on preemption; unseeded sequences get a fresh random seed each.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from engine.sequence import Sequence
-from kernels.backend import KernelBackend, get_backend
+from engine.structured_output.grammar import GrammarBitmask
+from kernels.backend import KernelBackend
 from kernels.sampling import counter_uniforms
+
+
+@dataclass
+class SamplingBatch:
+    """What rank 0's sampler needs besides the logits: the sampled sequences, in the logits' row order."""
+
+    seqs: list[Sequence]
+    eos_token_ids: tuple[int, ...]  # held back while a sequence is under its min_tokens
+    # the constrained rows' allowed tokens, filled on another thread while the forward pass runs
+    grammar_bitmask: Future[GrammarBitmask] | None = None
 
 
 @dataclass
@@ -27,20 +44,24 @@ def sample(
     logits: torch.Tensor,
     seqs: list[Sequence],
     eos_token_ids: tuple[int, ...],
-    backend: KernelBackend | None = None,
+    backend: KernelBackend,
+    grammar_bitmask: GrammarBitmask | None = None,
 ) -> list[SampledToken]:
     """logits: [num_seqs, vocab] float32 (raw, one row per sequence) -> one token per sequence.
-    `backend` runs the fused selection (default: the best for the logits' device)."""
+    `backend` runs the mask and the fused selection (the model runner's)."""
     params = [seq.sampling_params for seq in seqs]
     num_logprobs = [p.logprobs for p in params]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs) else None
 
     logits = _apply_penalties(logits, seqs)
+    logits = _apply_logit_bias(logits, seqs)
     logits = _suppress_early_stop(logits, seqs, eos_token_ids)
+    if grammar_bitmask is not None:
+        logits = logits.contiguous()  # in place: the raw logprobs above are already their own tensor
+        backend.apply_token_bitmask(logits, grammar_bitmask.bitmask, grammar_bitmask.rows)
     if all(p.greedy for p in params):
         token_ids = logits.argmax(dim=-1)
     else:
-        backend = backend or get_backend("auto", logits.device.type)
         token_ids = _select(logits, seqs, backend)
     token_list = token_ids.tolist()
 
@@ -82,11 +103,29 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     return logits - frequency * output_counts - presence * (output_counts > 0)
 
 
+def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Add each row's logit_bias to its logits (OpenAI's semantics: -100 bans a token, 100 all but forces it)."""
+    biased = [(row, seq.sampling_params.logit_bias) for row, seq in enumerate(seqs) if seq.sampling_params.logit_bias]
+    if not biased:
+        return logits
+    rows = torch.tensor([row for row, bias in biased for _ in bias], dtype=torch.long)
+    ids = torch.tensor([token for _, bias in biased for token in bias], dtype=torch.long)
+    values = torch.tensor([value for _, bias in biased for value in bias.values()], dtype=logits.dtype)
+    logits = logits.clone()
+    logits.index_put_((rows.to(logits.device), ids.to(logits.device)), values.to(logits.device), accumulate=True)
+    return logits
+
+
 def _suppress_early_stop(
     logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]
 ) -> torch.Tensor:
-    """Rows still under min_tokens cannot pick EOS or a stop token id."""
-    rows = [row for row, seq in enumerate(seqs) if seq.num_output_tokens < seq.sampling_params.min_tokens]
+    """Rows still under min_tokens cannot pick EOS or a stop token id. A row under a grammar is left to it:
+    the grammar ends the output where its language does (holding EOS back could leave it no token at all)."""
+    rows = [
+        row
+        for row, seq in enumerate(seqs)
+        if seq.num_output_tokens < seq.sampling_params.min_tokens and seq.grammar is None
+    ]
     if not rows:
         return logits
     logits = logits.clone()

@@ -14,11 +14,13 @@ cached prefix: those tokens count as computed and its prefill starts after them.
 
 A step is `schedule()` -> the executor's forward pass and the sampler -> `update_from_output()`: the
 scheduler owns each sequence's progress, so it advances the computed tokens, appends the sampled ones
-and finishes the sequences that stop (engine/stopping.py).
+and finishes the sequences that stop (engine/stopping.py). It also owns the KV blocks: it builds the
+block manager, and learns from `swap_outs_done` when a swap-out's device blocks may be reused.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,6 +30,8 @@ from engine.config import EngineConfig
 from engine.sampler import SampledToken
 from engine.sequence import Sequence, SequenceStatus
 from engine.stopping import StopChecker
+
+logger = logging.getLogger("shardserve.engine")
 
 
 @dataclass
@@ -75,12 +79,20 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, stop_checker: StopChecker):
+    def __init__(self, config: EngineConfig, num_blocks: int, num_host_blocks: int, stop_checker: StopChecker):
+        """`num_blocks` device KV blocks (every rank holds as many), `num_host_blocks` for swap preemption
+        (0: swapping falls back to recompute)."""
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.chunked_prefill = config.enable_chunked_prefill
         self.preemption_mode = config.preemption_mode
-        self.block_manager = block_manager
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            config.watermark,
+            enable_prefix_caching=config.enable_prefix_caching,
+            num_host_blocks=num_host_blocks,
+        )
         self.stop_checker = stop_checker
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
@@ -99,6 +111,16 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def has_swap_outs_in_flight(self) -> bool:
+        """Some device blocks are still being copied to the host (nothing can reuse them yet)."""
+        return bool(self.block_manager.swap_outs_in_flight)
+
+    def swap_outs_done(self, tickets: list[int]) -> None:
+        """The executor finished these swap-outs (`SchedulerOutput.swap_out_ticket`): their device blocks are free."""
+        for ticket in tickets:
+            self.block_manager.complete_swap_out(ticket)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -199,6 +221,13 @@ class Scheduler:
             if seq.request.metrics.first_token_time is None:
                 seq.request.metrics.first_token_time = now
             stop = self.stop_checker.check(seq, token.token_id)
+            if seq.grammar is not None:
+                if not seq.grammar.accept(token.token_id):
+                    # the mask let only allowed tokens through: this is a bug, so end this sequence, not the engine
+                    logger.error("the grammar of %r refused token %d that its mask allowed", seq, token.token_id)
+                    stop = ("abort", None)
+                elif stop is None and seq.grammar.is_terminated:
+                    stop = ("stop", None)
             if stop is not None:
                 self.finish(seq, *stop)
         return out.sampled_seqs

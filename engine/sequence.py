@@ -12,9 +12,13 @@ import itertools
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import SamplingParams
 from kernels.sampling import sequence_seed
+
+if TYPE_CHECKING:
+    from engine.structured_output.grammar import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -74,6 +78,8 @@ class Sequence:
         # seed makes it reproducible; without one, fresh entropy per sequence
         seed = request.sampling_params.seed
         self.sampling_seed = sequence_seed(seed, index) if seed is not None else secrets.randbits(64)
+        # the request's constraint, matched over this sequence's outputs (engine/structured_output/)
+        self.grammar: SequenceGrammar | None = None
         # detokenizer state (engine/detokenizer.py)
         self.text = ""
         self.num_emitted_chars = 0

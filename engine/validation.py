@@ -24,6 +24,11 @@ def check_request(
         raise InvalidRequestError(
             f"Prompt token id {bad} is outside the vocabulary [0, {vocab_size}).", param="prompt"
         )
+    bad = next((t for t in params.logit_bias or () if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"logit_bias names token id {bad}, outside the vocabulary [0, {vocab_size}).", param="logit_bias"
+        )
     if params.max_tokens is None:
         if num_prompt >= max_model_len:
             raise InvalidRequestError(

@@ -21,6 +21,7 @@ import torch
 from kernels import cpu_native
 from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_decode_attention_torch, paged_prefill_attention_torch
+from kernels.bitmask import apply_token_bitmask_torch
 from kernels.cache import write_kv_cache_torch
 from kernels.linear import no_packing, pack_for_onednn
 from kernels.norm import rms_norm_torch
@@ -38,6 +39,7 @@ class KernelBackend:
     rotary_embedding: Callable
     silu_and_mul: Callable
     sample_tokens: Callable
+    apply_token_bitmask: Callable  # the structured-output mask, in place before sampling (kernels/bitmask.py)
     # weight [out, in] -> a PackedLinearWeight the linear layers multiply with instead, or None (kernels/linear.py)
     pack_linear_weight: Callable = no_packing
 
@@ -51,12 +53,14 @@ TORCH = KernelBackend(
     rotary_embedding=rotary_embedding_torch,
     silu_and_mul=silu_and_mul_torch,
     sample_tokens=sample_tokens_torch,
+    apply_token_bitmask=apply_token_bitmask_torch,
 )
 
 
 @functools.cache
 def _triton_backend() -> KernelBackend:
     from kernels.activation_triton import silu_and_mul_triton
+    from kernels.bitmask_triton import apply_token_bitmask_triton
     from kernels.cache_triton import write_kv_cache_triton
     from kernels.decode_attention_triton import paged_decode_attention_triton
     from kernels.norm_triton import rms_norm_triton
@@ -73,6 +77,7 @@ def _triton_backend() -> KernelBackend:
         rotary_embedding=rotary_embedding_triton,
         silu_and_mul=silu_and_mul_triton,
         sample_tokens=sample_tokens_triton,
+        apply_token_bitmask=apply_token_bitmask_triton,
     )
 
 
@@ -84,7 +89,7 @@ NATIVE_DTYPES = (
 
 @functools.cache
 def _native_cpu_backend() -> KernelBackend | None:
-    """The native CPU kernels (attention, RMSNorm, SiLU-and-mul, rotary, sampling; the KV write stays the
+    """The native CPU kernels (attention, RMSNorm, SiLU-and-mul, rotary, sampling, the grammar mask; the KV write stays the
     reference's index_copy_), each falling back to its reference for inputs it doesn't take; or None
     where the extension can't be built."""
     native = cpu_native.load()
@@ -137,9 +142,16 @@ def _native_cpu_backend() -> KernelBackend | None:
             return native.sample_tokens(logits, temperature, top_k, top_p, min_p, uniforms)
         return sample_tokens_torch(logits, temperature, top_k, top_p, min_p, uniforms)
 
+    def apply_token_bitmask(logits, bitmask, rows):
+        if logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
+            native.apply_token_bitmask(logits, bitmask.to(torch.int32), rows.to(torch.int64))
+        else:
+            apply_token_bitmask_torch(logits, bitmask, rows)
+
     return dataclasses.replace(
         TORCH,
         name="cpu",
+        apply_token_bitmask=apply_token_bitmask,
         pack_linear_weight=pack_for_onednn,
         sample_tokens=sample_tokens,
         paged_decode_attention=paged_decode_attention,

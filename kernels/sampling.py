@@ -91,6 +91,6 @@ def sample_tokens_torch(
         target = float(uniforms[row]) * float(cumulative[-1])
         chosen = int(torch.searchsorted(cumulative, target, right=True))
         if chosen >= vocab:  # rounding left the target at the very end
-            chosen = int(keep.nonzero()[-1])
+            chosen = int((e > 0).nonzero()[-1])
         out[row] = chosen
     return out.to(logits.device)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.run import BenchArgs, run_bench
-from engine.config import ModelConfig
+from engine.checkpoint.model_config import load_model_config
 from kernels.backend import cpu_supports_bf16
 from scripts.bench_engine import make_prompts
 from scripts.bench_serve import (
@@ -86,7 +86,7 @@ REAL_MODEL_DEFAULTS = {"concurrency": "1,10,50", "num_prompts": "30,150,300", "c
 
 def real_model_hf_dir(gguf_file: Path, dtype: str) -> Path:
     """The demo model's weights as a Hugging Face directory for vLLM, written once into the cache folder."""
-    from engine.demo_model import cache_root
+    from engine.checkpoint.cache_dir import cache_root
     from scripts.gguf_to_hf import convert
 
     out = cache_root() / f"{gguf_file.stem}-hf-{dtype}"
@@ -246,13 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     args.modes = args.modes.split(",")
     dtype = "bfloat16" if cpu_supports_bf16() else "float32"
     if args.real_model:
-        from engine.demo_model import ensure_demo_model
+        from engine.checkpoint.demo import ensure_demo_model
 
         model_dir = str(ensure_demo_model())  # what shardserve loads and serves
         peer_model_dir = tokenizer_dir = str(real_model_hf_dir(Path(model_dir), dtype))
     else:
         model_dir = peer_model_dir = tokenizer_dir = str(Path(args.model) if args.model else bench_model_dir())
-    vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
+    vocab_size = load_model_config(model_dir).vocab_size
     load_before = os.getloadavg()[0]
     started = time.gmtime()
 

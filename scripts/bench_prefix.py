@@ -78,7 +78,7 @@ def measure(model_dir: str, dtype: str, prompts, output_len: int, concurrency: i
         stats = engine.stats()
         result["preemptions"] = dict(stats.num_preemptions_by_mode)
         result["hit_rate"] = stats.prefix_cache_hits / max(1, stats.prefix_cache_queries)
-        result["peak_blocks"] = engine.engine.block_manager.peak_num_used_blocks
+        result["peak_blocks"] = engine.engine.scheduler.block_manager.peak_num_used_blocks
         return result
     finally:
         engine.shutdown()
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     parser.add_argument("--write-doc", action="store_true")
     args = parser.parse_args(argv)
 
-    from engine.random_model import ensure_bench_model
+    from engine.checkpoint.random_model import ensure_bench_model
     from scripts.bench_engine import cpu_name
 
     model_dir = args.model or str(ensure_bench_model())

@@ -185,7 +185,7 @@ class ServerProcess:
 
 def bench_model_dir() -> Path:
     """The bench-shaped Llama (made once into the cache folder, ~1 minute)."""
-    from engine.random_model import default_bench_model_dir
+    from engine.checkpoint.random_model import default_bench_model_dir
 
     path = default_bench_model_dir()
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
@@ -193,7 +193,7 @@ def bench_model_dir() -> Path:
             [
                 sys.executable,
                 "-m",
-                "engine.random_model",
+                "engine.checkpoint.random_model",
                 "--arch",
                 "llama",
                 "--preset",

@@ -157,7 +157,7 @@ def main(argv=None) -> None:
     parser.add_argument("--write-doc", action="store_true")
     args = parser.parse_args(argv)
 
-    from engine.random_model import ensure_bench_model
+    from engine.checkpoint.random_model import ensure_bench_model
 
     model_dir = args.model or str(ensure_bench_model())
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> str:
     import ray
     import torch
 
-    from engine.random_model import ensure_bench_model
+    from engine.checkpoint.random_model import ensure_bench_model
 
     # one thread per rank, as the workers get: on a shared 2-core machine two OpenMP threads
     # spin at every op's barrier and TP=1 would measure that instead of its arithmetic

@@ -166,14 +166,14 @@ async def run_round(port: int, args: argparse.Namespace, seed: int) -> tuple[flo
 def bench(args: argparse.Namespace) -> None:
     model_tmp = None
     if args.model is None:
-        from engine.random_model import make_model
+        from engine.checkpoint.random_model import make_model
 
         model_tmp = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
         args.model = str(make_model("llama", "tiny", model_tmp))
         args.dtype = "float32"
-    from engine.config import ModelConfig
+    from engine.checkpoint.model_config import load_model_config
 
-    args.vocab_size = ModelConfig.from_pretrained(args.model).vocab_size
+    args.vocab_size = load_model_config(args.model).vocab_size
     receiver = OTLPReceiver()
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     port = free_port()

@@ -3,7 +3,7 @@
     python -m scripts.gguf_to_hf FILE.gguf OUT_DIR [--dtype bfloat16]
 
 For peers that cannot read a GGUF file on CPU (vLLM's CPU build): the weights are the ones shardserve
-serves from the same file, dequantized by engine/gguf.py, so a side by side compares engines, not
+serves from the same file, dequantized by engine/checkpoint/gguf.py, so a side by side compares engines, not
 dequantizers. (transformers' own GGUF loader cannot save what it loads.)
 """
 
@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.checkpoint.gguf import gguf_checkpoint_tensors
+from engine.checkpoint.gguf_cache import unpacked_tokenizer
+from engine.checkpoint.model_config import load_model_config
 from engine.config import ModelConfig
-from engine.gguf import gguf_checkpoint_tensors
-from engine.gguf_cache import unpacked_tokenizer
 
 HF_MODEL_TYPES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                   "qwen3": ("qwen3", "Qwen3ForCausalLM")}
@@ -50,7 +51,7 @@ def _eos(config: ModelConfig) -> int | list[int] | None:
 
 
 def convert(gguf_file: Path, out: Path, dtype: str = "bfloat16") -> Path:
-    config = ModelConfig.from_pretrained(gguf_file)
+    config = load_model_config(gguf_file)
     out.mkdir(parents=True, exist_ok=True)
     weights = {
         name: tensor.to(getattr(torch, dtype)).contiguous()

@@ -270,7 +270,7 @@ def time_prefill(triton_ops, batch: int, seq_len: int, iters: int, rows) -> None
 def engine_smoke_test(rows) -> None:
     """TP=1 engine on CUDA: Triton kernels and torch references generate the same greedy tokens."""
     from engine import LLM, SamplingParams
-    from engine.random_model import make_model
+    from engine.checkpoint.random_model import make_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_model("llama", "tiny", Path(tmp)))

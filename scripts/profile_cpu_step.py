@@ -67,9 +67,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    from engine.checkpoint.random_model import ensure_bench_model
     from engine.config import EngineConfig, SamplingParams
     from engine.llm_engine import LLMEngine
-    from engine.random_model import ensure_bench_model
 
     torch_ops = kernel_backend.TORCH
     kernel_backend.TORCH = kernel_backend.KernelBackend(

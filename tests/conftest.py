@@ -15,7 +15,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.random_model import make_model  # noqa: E402
+from engine.checkpoint.random_model import make_model  # noqa: E402
 
 # The longest test files (a minute or more each on 2 cores), first: `make test`'s two processes take whole files
 # in collection order, so the run does not end on one of these with the other process idle.
@@ -49,7 +49,8 @@ LLAMA3_ROPE_SCALING = {
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
-    """Llama, 2 layers, hidden 64, 4 query heads / 2 KV heads (GQA), vocab 512, float32, untied."""
+    """Llama of random_model.py's tiny preset: 2 layers, hidden 256, intermediate 512, 4 query heads / 2 KV
+    heads (GQA, head_dim 64), vocab 1024, 1024 positions, float32, untied embeddings."""
     return make_model("llama", "tiny", tmp_path_factory.mktemp("tiny-llama"))
 
 
@@ -114,7 +115,7 @@ def no_stray_ray_outlives_its_module():
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The demo model's file: SmolLM2-135M-Instruct, Q4_1 GGUF (fetched once per machine; `make install` does it)."""
-    from engine.demo_model import ensure_demo_model
+    from engine.checkpoint.demo import ensure_demo_model
 
     return ensure_demo_model()
 

@@ -106,18 +106,6 @@ class PrefixIndex(Generic[Replica]):
                 lengths[replica] = num_matched
         return lengths
 
-    def longest_match(
-        self, block_hashes: Sequence[bytes], now: float, replicas: Collection[Replica] | None = None
-    ) -> tuple[Replica | None, int]:
-        """The replica with the longest matched prefix (ties: the most recently used), and its length."""
-        lengths = self.match_lengths(block_hashes, now, replicas)
-        if not lengths:
-            return None, 0
-        longest = max(lengths.values())
-        deepest_owners = self._owners[block_hashes[longest - 1]]
-        best = max((r for r, n in lengths.items() if n == longest), key=lambda r: deepest_owners[r])
-        return best, longest
-
     def remove_replica(self, replica: Replica) -> None:
         """Forget everything sent to `replica` (it left the deployment)."""
         for block_hash in self._lru.pop(replica, ()):

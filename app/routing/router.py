@@ -39,7 +39,6 @@ from app.routing.stats import ReplicaLoad, replica_load
 
 logger = logging.getLogger("shardserve.routing")
 
-REASONS = ("prefix_hit", "least_loaded", "imbalance", "no_stats", "preferred_busy")
 MAX_PLANS = 10_000  # decisions awaiting their request's acceptance; a cancelled request's plan ages out
 
 
@@ -49,7 +48,7 @@ class RoutingDecision:
 
     request_id: str
     replica: str  # Serve's replica unique_id
-    reason: str  # one of REASONS
+    reason: str  # prefix_hit, least_loaded, imbalance, no_stats or preferred_busy (the module docstring)
     matched_blocks: int  # prompt blocks the chosen replica was already sent
     queue_depth: float  # the chosen replica's load when the router chose
     prompt_blocks: int = 0  # full KV blocks of the prompt (0: the call carried no prompt)

@@ -11,20 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from engine.model_runner import ModelRunner, StepInput
+from engine.sampler import SampledToken, SamplingBatch
 from parallel.layers import weight_bytes
 
 
 class Executor(Protocol):
-    """Runs scheduled steps on every rank; rank 0's logits come back."""
+    """Runs scheduled steps on every rank; rank 0 samples, and its tokens come back."""
 
     num_blocks: int  # KV blocks every rank holds (the block manager's pool)
     num_host_blocks: int  # swap preemption's host pool; 0 without one
 
-    def execute_model(self, step: StepInput) -> torch.Tensor | None:
-        """One forward pass on every rank: [num_sampled, vocab] float32 logits, or None if none is sampled."""
+    def execute_model(self, step: StepInput, sampling: SamplingBatch | None) -> list[SampledToken] | None:
+        """One forward pass on every rank, then rank 0 samples `sampling`'s sequences (None: nothing to sample)."""
         ...
 
     def poll_swap_outs(self) -> list[int]:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import EngineDeadError
 from engine.executor.base import RankMemory, measure_memory
 from engine.model_runner import ModelRunner, StepInput
+from engine.sampler import SampledToken, SamplingBatch
 
 
 class SingleProcessExecutor:
@@ -18,8 +17,8 @@ class SingleProcessExecutor:
         self.num_blocks = self.runner.num_blocks
         self.num_host_blocks = self.runner.num_host_blocks
 
-    def execute_model(self, step: StepInput) -> torch.Tensor | None:
-        return self._live_runner().execute_model(step)
+    def execute_model(self, step: StepInput, sampling: SamplingBatch | None) -> list[SampledToken] | None:
+        return self._live_runner().execute_model(step, sampling)
 
     def poll_swap_outs(self) -> list[int]:
         return self._live_runner().poll_swap_outs()

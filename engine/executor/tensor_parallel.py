@@ -43,6 +43,7 @@ from engine.executor.ray_ranks import (
     joined_key,
 )
 from engine.model_runner import ModelRunner, StepInput
+from engine.sampler import SampledToken, SamplingBatch
 from parallel.comm import broadcast_object
 from parallel.state import RENDEZVOUS_TIMEOUT, create_store, init_parallel_context
 
@@ -88,13 +89,13 @@ class TensorParallelExecutor:
         # swap preemption's host pool: each rank holds one of this many blocks (its own KV heads)
         self.num_host_blocks = self.runner.num_host_blocks
 
-    def execute_model(self, step: StepInput) -> torch.Tensor | None:
-        """Broadcast the step, run rank 0's shard; returns the full logits (all-gathered by the head)."""
+    def execute_model(self, step: StepInput, sampling: SamplingBatch | None) -> list[SampledToken] | None:
+        """Broadcast the step, run rank 0's shard and sample its full logits (all-gathered by the head)."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         try:
             broadcast_object(step, self.runner.parallel)
-            return self.runner.execute_model(step)
+            return self.runner.execute_model(step, sampling)
         except Exception as exc:  # any failure leaves the ranks out of step: the engine is done
             failure = self._worker_failure()
             self._fail(f"tensor-parallel step failed: {_describe(failure if failure is not None else exc)}")

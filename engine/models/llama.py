@@ -4,7 +4,7 @@ qwen3.py this plus a per-head RMSNorm on q and k).
 Built from parallel/ layers, so the same code runs at any tensor-parallel size: each rank holds
 its query/KV heads and its slice of the MLP, and the row-parallel layers all-reduce. Every op
 goes through the KernelBackend. Module names mirror Hugging Face's, except the fused
-`qkv_proj` (q_proj, k_proj, v_proj) and `gate_up_proj` (gate_proj, up_proj): see engine/loader.py.
+`qkv_proj` (q_proj, k_proj, v_proj) and `gate_up_proj` (gate_proj, up_proj): see engine/checkpoint/loader.py.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ class CausalLM(nn.Module):
     """A decoder-only language model on one tensor-parallel rank.
 
     Parameters are created with torch.empty (uninitialised) on the current default device
-    (build under `with torch.device(...)`) in `dtype`; engine/loader.py fills them.
+    (build under `with torch.device(...)`) in `dtype`; engine/checkpoint/loader.py fills them.
     """
 
     # Llama's `attention_bias` covers q, k, v and o; Qwen2 has bias on q, k, v only.

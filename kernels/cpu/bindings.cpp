@@ -17,6 +17,7 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
                                          const at::Tensor& cos_sin_cache);
 at::Tensor sample_tokens(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                          const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& uniforms);
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 }  // namespace shardserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -28,5 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &shardserve::silu_and_mul, "silu(gate) * up over [tokens, 2 * d]");
   m.def("sample_tokens", &shardserve::sample_tokens,
         "One token per row: temperature, top-k, top-p, min-p, inverse-transform draw (kernels/sampling.py)");
+  m.def("apply_token_bitmask", &shardserve::apply_token_bitmask,
+        "In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is clear (kernels/bitmask.py)");
   m.def("rotary_embedding", &shardserve::rotary_embedding, "Rotary embedding of query and key: [query, key]");
 }

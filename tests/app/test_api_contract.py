@@ -1,8 +1,10 @@
 """The published API contract: /openapi.json documents every body, response and error, and the server keeps it.
 
 schemathesis reads the schema from a live server on 127.0.0.1 and nothing else, generates requests that
-fit it and requests that do not, and fails on a 5xx, a status the schema does not list, a content type
-it does not list, or a body, SSE event or header that does not match. Two servers: a real uvicorn over
+fit it and requests that do not, and runs every check it has: it fails on a 5xx, a status the schema does
+not list, a content type it does not list, a body, SSE event or header that does not match, a request that
+breaks the schema but is served (`"echo": 0`, `"top_logprobs": false`), and one that fits it but is refused
+for anything but a reason the schema cannot state (see SCHEMA_VALID_REFUSALS). Two servers: a real uvicorn over
 the fake engine (many cases, fast), and the tiny model behind Ray Serve (fewer cases, the real path);
 and one broken server that the same run must fail on. Last, the answers Ray Serve's proxy gives by
 itself (429 when its queue is full) in the same OpenAI error shape.
@@ -39,9 +41,13 @@ MODEL = "fake-model"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
-# a 5xx, a status or content type the schema does not list, a body, SSE event or header that does not match
-CONTRACT_CHECKS = ["not_a_server_error", "status_code_conformance", "content_type_conformance",
-                   "response_schema_conformance", "response_headers_conformance"]
+# A body that fits the schema may still be refused, for what a schema cannot say: 400 for a prompt longer
+# than the context, a rule across fields (top_logprobs without logprobs, two output constraints), a JSON
+# schema, regex or grammar that does not compile, a tool_choice naming a function not in `tools`; 413 for a
+# body over --max-request-body-bytes (generated bodies can be large). A body that breaks the schema may be
+# refused by its size (413) before it is read.
+SCHEMA_VALID_REFUSALS = ["2xx", "400", "401", "404", "413", "429"]
+SCHEMA_VIOLATION_ANSWERS = ["400", "401", "404", "405", "413", "429"]
 ERROR_STATUSES = {"400", "401", "404", "413", "429", "503"}
 
 
@@ -140,9 +146,11 @@ def run_schemathesis(base_url: str, served_model: str, workdir: Path, *, max_exa
     in most generated cases (the rest test the 404 of an unknown model)."""
     config = workdir / "schemathesis.toml"
     config.write_text(f'[dictionaries.served-model]\nvalues = ["{served_model}"]\n\n'
+                      f'[checks.positive_data_acceptance]\nexpected-statuses = {json.dumps(SCHEMA_VALID_REFUSALS)}\n\n'
+                      f'[checks.negative_data_rejection]\nexpected-statuses = {json.dumps(SCHEMA_VIOLATION_ANSWERS)}\n\n'
                       '[parameters]\n"body.model" = { dictionary = "served-model", probability = 0.75 }\n')
     command = [str(SCHEMATHESIS), "--no-color", "--config-file", str(config), "run", f"{base_url}/openapi.json",
-               "--header", f"Authorization: Bearer {API_KEY}", "--checks", ",".join(CONTRACT_CHECKS),
+               "--header", f"Authorization: Bearer {API_KEY}", "--checks", "all",
                "--max-examples", str(max_examples), "--phases", phases, "--workers", "1",
                "--request-timeout", "60", "--report", "ndjson", "--report-ndjson-path", str(workdir / "run.ndjson"),
                *(["--include-path", include_path] if include_path else [])]

@@ -1,5 +1,5 @@
-"""PrefixIndex (app/routing/prefix_index.py): longest cached prefix by the engine's chained block hashes,
-ageing by TTL on an injected clock, a per-replica LRU cap, and replicas leaving."""
+"""PrefixIndex (app/routing/prefix_index.py): each replica's matched prefix by the engine's chained block
+hashes, ageing by TTL on an injected clock, a per-replica LRU cap, and replicas leaving."""
 
 from __future__ import annotations
 
@@ -37,43 +37,41 @@ def test_a_block_is_named_by_its_whole_history_not_its_own_tokens():
     assert index.match_lengths(b, now=0) == {}
 
 
-def test_longest_match_is_the_replica_sent_the_most_leading_blocks():
+def test_each_replica_matches_the_leading_blocks_it_was_sent():
     index = PrefixIndex(ttl_s=60, max_blocks_per_replica=100)
     index.insert("short", hashes(SYSTEM[:4]), now=0)
     index.insert("long", hashes(SYSTEM + [1, 2, 3, 4]), now=0)
     query = hashes(SYSTEM + [9, 9, 9, 9])
     assert index.match_lengths(query, now=1) == {"short": 1, "long": 3}
-    assert index.longest_match(query, now=1) == ("long", 3)
 
 
 def test_a_different_first_block_matches_nothing_even_if_later_hashes_are_known():
     index = PrefixIndex(ttl_s=60, max_blocks_per_replica=100)
     known = hashes(SYSTEM)
     index.insert("r0", known, now=0)
-    assert index.longest_match((b"other first block", *known[1:]), now=0) == (None, 0)
+    assert index.match_lengths((b"other first block", *known[1:]), now=0) == {}
 
 
 def test_match_considers_only_the_replicas_asked_about():
     index = PrefixIndex(ttl_s=60, max_blocks_per_replica=100)
     index.insert("r0", hashes(SYSTEM), now=0)
     index.insert("r1", hashes(SYSTEM[:8]), now=0)
-    assert index.longest_match(hashes(SYSTEM), now=0, replicas={"r1", "r2"}) == ("r1", 2)
+    assert index.match_lengths(hashes(SYSTEM), now=0, replicas={"r1", "r2"}) == {"r1": 2}
 
 
-def test_equal_matches_go_to_the_replica_that_used_the_prefix_last():
+def test_a_prefix_sent_to_two_replicas_matches_both_each_until_its_own_ttl():
     index = PrefixIndex(ttl_s=60, max_blocks_per_replica=100)
     index.insert("r0", hashes(SYSTEM), now=0)
     index.insert("r1", hashes(SYSTEM), now=5)
-    assert index.longest_match(hashes(SYSTEM), now=6) == ("r1", 3)
-    index.insert("r0", hashes(SYSTEM), now=7)
-    assert index.longest_match(hashes(SYSTEM), now=8) == ("r0", 3)
+    assert index.match_lengths(hashes(SYSTEM), now=6) == {"r0": 3, "r1": 3}  # the router breaks ties by load
+    assert index.match_lengths(hashes(SYSTEM), now=61) == {"r1": 3}
 
 
 def test_entries_stop_matching_after_the_ttl_and_are_swept_on_the_next_insert():
     index = PrefixIndex(ttl_s=10, max_blocks_per_replica=100)
     index.insert("r0", hashes(SYSTEM), now=0)
-    assert index.longest_match(hashes(SYSTEM), now=10) == ("r0", 3)
-    assert index.longest_match(hashes(SYSTEM), now=10.5) == (None, 0)
+    assert index.match_lengths(hashes(SYSTEM), now=10) == {"r0": 3}
+    assert index.match_lengths(hashes(SYSTEM), now=10.5) == {}
     assert len(index) == 3  # still held until something sweeps
     index.insert("r1", hashes([1, 2, 3, 4]), now=11)
     assert len(index) == 1 and index.replicas() == {"r1"}
@@ -101,7 +99,7 @@ def test_the_per_replica_cap_drops_the_least_recently_used_blocks_tails_first():
 def test_a_prompt_longer_than_the_cap_keeps_its_head():
     index = PrefixIndex(ttl_s=60, max_blocks_per_replica=2)
     index.insert("r0", hashes(SYSTEM), now=0)
-    assert index.longest_match(hashes(SYSTEM), now=0) == ("r0", 2)
+    assert index.match_lengths(hashes(SYSTEM), now=0) == {"r0": 2}
 
 
 def test_removing_a_replica_forgets_everything_it_was_sent_and_nothing_else():

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from app.autoscaling import METRICS_INTERVAL_S, QUEUE_DEPTH_METRIC, QueueDepthPolicy
 from app.cli import build_parser, serve_args_from
 from app.config import ServeArgs
 from app.deployment import build_app, deployment_options, max_ongoing_requests, placement_group_bundles
+from engine.config import EngineConfig
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "configs" / "serve.yaml"
 
@@ -42,6 +44,33 @@ def test_cli_flags_use_vllm_spelling():
     assert cli_args().host == "127.0.0.1"
     with pytest.raises(SystemExit):
         cli_args("--dtype", "float64")
+
+
+def test_the_model_may_come_first_as_vllm_serve_takes_it():
+    assert cli_args("/models/x", "--port", "9000").model == "/models/x"
+    assert cli_args("--port", "9000", "/models/x").model == "/models/x"
+    assert cli_args("/models/x", "--model", "/models/x").model == "/models/x"
+    assert cli_args().model is None  # the demo model
+    with pytest.raises(SystemExit, match="given twice"):
+        cli_args("/models/x", "--model", "/models/y")
+
+
+@pytest.mark.parametrize("block_size", [24, 512])
+def test_serve_args_refuse_a_block_size_the_engine_refuses(block_size):
+    with pytest.raises(ValidationError):
+        EngineConfig(model="m", block_size=block_size)
+    with pytest.raises(ValidationError, match="block_size|less than or equal to 256"):
+        ServeArgs(block_size=block_size)
+    with pytest.raises(ValidationError):
+        cli_args("--block-size", str(block_size))
+    assert ServeArgs(block_size=32).engine_config("m").block_size == 32
+
+
+def test_the_engines_fields_keep_the_engines_defaults_and_bounds():
+    for name in ("block_size", "max_num_seqs", "gpu_memory_utilization", "swap_space", "tensor_parallel_size"):
+        ours, engines = ServeArgs.model_fields[name], EngineConfig.model_fields[name]
+        assert (ours.default, ours.metadata) == (engines.default, engines.metadata), name
+        assert ours.description, name
 
 
 def test_each_replica_asks_for_one_strict_pack_bundle_per_tp_rank():
@@ -132,15 +161,20 @@ def test_the_served_token_budget_defaults_to_short_steps_on_cpu(tiny_llama_dir):
     assert cli_args("--stream-interval-ms", "0").stream_interval_ms == 0
 
 
-def test_sampling_defaults_are_the_flags_else_the_demo_models_else_neutral():
-    from app.deployment import default_sampling
-    from engine.demo_model import DEMO_GENERATION_CONFIG
+def test_sampling_defaults_are_the_models_generation_config_with_the_flags_on_top():
+    from app import model_defaults
+    from engine.checkpoint.demo import DEMO_GENERATION_CONFIG
+
+    def default_sampling(args: ServeArgs) -> dict[str, float]:
+        return model_defaults.default_sampling(args.model, args.generation_config, args.override_generation_config)
 
     assert cli_args("--override-generation-config", '{"temperature": 0.3, "top_k": 40}').override_generation_config == {
         "temperature": 0.3, "top_k": 40}
-    assert default_sampling(cli_args("--override-generation-config", '{"temperature": 0.3}')) == {"temperature": 0.3}
     assert default_sampling(cli_args()) == DEMO_GENERATION_CONFIG  # no --model: the demo model's own
-    assert default_sampling(cli_args("--model", "/models/x")) == {}
+    overridden = default_sampling(cli_args("--override-generation-config", '{"temperature": 0.3}'))
+    assert overridden == {**DEMO_GENERATION_CONFIG, "temperature": 0.3}  # merged, as vLLM merges
+    assert default_sampling(cli_args("--generation-config", "vllm")) == {}  # neutral: temperature 1
+    assert default_sampling(cli_args("--model", "/models/x")) == {}  # no generation_config.json there
     with pytest.raises(ValueError, match="override_generation_config"):
         cli_args("--override-generation-config", '{"temprature": 0.3}')
 

@@ -508,3 +508,55 @@ def test_cli_writes_csv_json_and_plot_and_report_merges_labels(tokenizer, tokeni
     assert "alpha vs beta at 3: throughput x" in printed
     for png in (paths["a.png"], paths["merged.png"]):
         assert matplotlib.image.imread(png).shape[:2] == (420, 1100)
+
+
+# ---- vLLM's flag names ----------------------------------------------------------------------------------
+
+
+def bench_settings(*argv: str) -> BenchArgs:
+    """The settings a `shardserve bench` command line parses to."""
+    import argparse
+
+    from bench.cli import add_parser, bench_args_from
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    return bench_args_from(parser.parse_args(["bench", *argv]))
+
+
+def test_vllm_bench_serve_flag_names_parse_to_the_same_settings_as_ours():
+    ours = bench_settings(
+        "--base-url", "http://127.0.0.1:8123", "--endpoint", "chat", "--model", "m", "--tokenizer", "/tok",
+        "--prompt-tokens", "256", "--output-tokens", "32", "--shared-prefix-tokens", "64", "--num-prompts", "50",
+        "--concurrency", "8", "--warmup", "3", "--seed", "7", "--no-progress",
+    )
+    vllms = bench_settings(
+        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--host", "127.0.0.1", "--port", "8123",
+        "--dataset-name", "random", "--model", "m", "--tokenizer", "/tok", "--random-input-len", "256",
+        "--random-output-len", "32", "--random-prefix-len", "64", "--num-prompts", "50", "--max-concurrency", "8",
+        "--num-warmups", "3", "--seed", "7", "--disable-tqdm", "--ignore-eos",
+    )
+    assert vllms == ours
+    assert (ours.endpoint, ours.concurrency, ours.warmup, ours.progress) == ("chat", [8], 3, False)
+    assert bench_settings("--endpoint", "/v1/completions").endpoint == "completions"
+    assert bench_settings().base_url == BenchArgs().base_url
+    assert not bench_settings("--no-ignore-eos").ignore_eos
+    with pytest.raises(SystemExit):  # the backend and the endpoint disagree
+        bench_settings("--backend", "openai-chat", "--endpoint", "/v1/completions")
+    with pytest.raises(SystemExit):  # only random prompts are built in
+        bench_settings("--dataset-name", "sharegpt")
+
+
+def test_a_vllm_bench_serve_command_line_runs_against_a_server(tokenizer, tokenizer_dir):
+    with FakeOpenAIServer(tokenizer, tokenizer_dir) as server:
+        host, port = server.base_url.removeprefix("http://").split(":")
+        argv = [
+            "--backend", "openai-chat", "--host", host, "--port", port, "--endpoint", "/v1/chat/completions",
+            "--dataset-name", "random", "--model", "fake-model", "--tokenizer", tokenizer_dir,
+            "--random-input-len", "24", "--random-output-len", "4", "--num-prompts", "4", "--max-concurrency", "2",
+            "--num-warmups", "1", "--seed", "3", "--ignore-eos", "--disable-tqdm",
+        ]
+        assert main(argv) == 0
+    assert len(server.bodies) == 1 + 4  # the warm-up request, then the measured ones
+    assert all("messages" in b and b["max_tokens"] == 4 and b["ignore_eos"] for b in server.bodies)
+    assert server.max_in_flight <= 2

@@ -1,6 +1,6 @@
 """Test-side GGUF writing: a tiny Hugging Face directory converted as llama.cpp's converter does it.
 
-Written independently of engine/gguf.py (which only reads), so a mapping mistake in either shows up
+Written independently of engine/checkpoint/gguf.py (which only reads), so a mapping mistake in either shows up
 as a mismatch against transformers on the original directory.
 """
 

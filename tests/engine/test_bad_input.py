@@ -76,7 +76,7 @@ def test_a_rejected_request_leaves_other_requests_untouched(llm):
         for delta in engine.step():
             tokens.extend(delta.outputs[0].token_ids)
     assert tokens == expected
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
 
 
 def test_a_batch_with_one_bad_prompt_adds_nothing(llm):
@@ -89,11 +89,11 @@ def test_abort_frees_blocks_and_reports_abort(llm):
     engine = llm.engine
     engine.add_request("to-abort", [3] * 40, greedy(max_tokens=50))
     engine.step()
-    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    assert engine.scheduler.block_manager.num_free_blocks < engine.scheduler.block_manager.num_blocks
     final = engine.abort_request("to-abort")
     assert final.finished and final.outputs[0].finish_reason == "abort"
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    engine.block_manager.check_invariants()
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+    engine.scheduler.block_manager.check_invariants()
 
 
 def test_unknown_model_directory(tmp_path):

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from engine import AsyncLLMEngine, EngineDeadError, InvalidRequestError, SamplingParams
+from engine.checkpoint.loader import load_tokenizer
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
-from engine.loader import load_tokenizer
 from engine.sequence import Request
 
 

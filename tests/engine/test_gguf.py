@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.checkpoint.gguf import SUPPORTED_TYPES, find_gguf_file, gguf_checkpoint_tensors, unpermute_qk
+from engine.checkpoint.loader import load_tokenizer
+from engine.checkpoint.model_config import load_model_config
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ModelLoadError
-from engine.gguf import SUPPORTED_TYPES, find_gguf_file, gguf_checkpoint_tensors, unpermute_qk
-from engine.loader import load_tokenizer
 from tests.engine.gguf_files import llama_cpp_permute, write_gguf
 from tests.engine.test_hf_equivalence import assert_diverse, random_prompts
 
@@ -26,7 +27,7 @@ ROWS, COLS = 6, 512  # two 256-wide super-blocks per row for the K-quants
 
 @pytest.fixture(autouse=True)
 def gguf_cache_root(tmp_path, monkeypatch) -> Path:
-    """Each test unpacks its GGUF files (engine/gguf_cache.py) into its own cache folder, not the user's."""
+    """Each test unpacks its GGUF files (engine/checkpoint/gguf_cache.py) in its own cache folder, not yours."""
     root = tmp_path / "cache"
     monkeypatch.setenv("SHARDSERVE_CACHE", str(root))
     return root
@@ -81,12 +82,12 @@ def test_llama_q_and_k_rows_return_to_hugging_face_order():
 
 def test_the_config_comes_from_metadata(tiny_llama_dir, tmp_path):
     file = write_gguf(tiny_llama_dir, tmp_path / "tiny.gguf")
-    from_gguf, from_hf = ModelConfig.from_pretrained(file), ModelConfig.from_pretrained(tiny_llama_dir)
+    from_gguf, from_hf = load_model_config(file), load_model_config(tiny_llama_dir)
     assert from_gguf.checkpoint_format == "gguf" and from_gguf.torch_dtype is None
     same = ModelConfig.model_fields.keys() - {"checkpoint_format", "torch_dtype", "rms_norm_eps"}
     assert {k: getattr(from_gguf, k) for k in same} == {k: getattr(from_hf, k) for k in same}
     assert math.isclose(from_gguf.rms_norm_eps, from_hf.rms_norm_eps, rel_tol=1e-6)  # GGUF stores float32
-    assert ModelConfig.from_pretrained(tmp_path) == from_gguf  # a directory holding one .gguf
+    assert load_model_config(tmp_path) == from_gguf  # a directory holding one .gguf
 
 
 def test_the_tokenizer_and_chat_template_come_from_metadata(tiny_llama_dir, tmp_path):
@@ -106,7 +107,7 @@ def test_the_tokenizer_and_chat_template_come_from_metadata(tiny_llama_dir, tmp_
 def test_auto_dtype_of_a_gguf_model_is_bfloat16_where_the_cpu_multiplies_it(preferred, tiny_llama_dir, tmp_path,
                                                                              monkeypatch):
     monkeypatch.setattr("kernels.backend.cpu_supports_bf16", lambda: preferred)
-    config = ModelConfig.from_pretrained(write_gguf(tiny_llama_dir, tmp_path / "tiny.gguf"))
+    config = load_model_config(write_gguf(tiny_llama_dir, tmp_path / "tiny.gguf"))
     expected = torch.bfloat16 if preferred else torch.float32
     assert EngineConfig(model="x", device="cpu").torch_dtype(config) == expected
     assert EngineConfig(model="x", device="cpu", dtype="float32").torch_dtype(config) == torch.float32
@@ -151,7 +152,7 @@ def test_a_q8_0_model_runs_in_bfloat16_close_to_the_original(tiny_llama_dir, hf_
 def test_an_unsupported_architecture_is_named(tmp_path):
     file = one_tensor_gguf(tmp_path / "g.gguf", "token_embd.weight", np.zeros((4, 32), np.float32), Q.F32, "gemma")
     with pytest.raises(ModelLoadError, match="architecture 'gemma'.*supported: llama, qwen2, qwen3"):
-        ModelConfig.from_pretrained(file)
+        load_model_config(file)
 
 
 def test_an_unsupported_quantization_type_is_named(tmp_path):
@@ -172,7 +173,7 @@ def test_model_paths_name_one_gguf_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert find_gguf_file(tmp_path) is None  # a Hugging Face directory wins
     with pytest.raises(ModelLoadError, match="cannot read .* as a GGUF file"):
-        ModelConfig.from_pretrained(tmp_path / "a.gguf")
+        load_model_config(tmp_path / "a.gguf")
 
 
 def test_gguf_to_hf_writes_what_transformers_reads_back_as_the_original(tiny_qwen3_dir, hf_greedy, tmp_path):

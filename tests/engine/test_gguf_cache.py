@@ -1,5 +1,5 @@
-"""The unpacked-GGUF cache (engine/gguf_cache.py): a second load of a GGUF file gives exactly what the
-first gave (config, tokenizer, every parameter, greedy tokens) without reading the file; a damaged,
+"""The unpacked-GGUF cache (engine/checkpoint/gguf_cache.py): a second load of a GGUF file gives exactly
+what the first gave (config, tokenizer, every parameter, greedy tokens) without reading the file; a damaged,
 partial or stale cache falls back to the file and is rewritten; a changed file is a new cache entry."""
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import gguf
 import pytest
 import torch
 
-import engine.gguf
-import engine.gguf_cache
+import engine.checkpoint.gguf
+import engine.checkpoint.gguf_cache
 from engine import LLM, SamplingParams
+from engine.checkpoint.gguf import model_config_fields
+from engine.checkpoint.gguf_cache import unpack_gguf, unpacked_dir
+from engine.checkpoint.loader import checkpoint_tensors, load_model, load_tokenizer
+from engine.checkpoint.model_config import load_model_config
 from engine.config import ModelConfig
-from engine.gguf import model_config_fields
-from engine.gguf_cache import unpack_gguf, unpacked_dir
-from engine.loader import checkpoint_tensors, load_model, load_tokenizer
 from kernels.backend import get_backend
 from parallel.state import ParallelContext
 from tests.engine.gguf_files import write_gguf
@@ -30,7 +31,7 @@ from tests.engine.test_hf_equivalence import assert_diverse, random_prompts
 
 Q = gguf.GGMLQuantizationType
 DTYPES = [torch.bfloat16, torch.float32]
-GIB = engine.gguf_cache.SHARD_BYTES
+GIB = engine.checkpoint.gguf_cache.SHARD_BYTES
 
 
 @pytest.fixture(autouse=True)
@@ -49,13 +50,13 @@ def q4_file(tiny_llama_dir, tmp_path) -> Path:
 
 def load(file: Path, dtype: torch.dtype, parallel: ParallelContext | None = None) -> dict[str, torch.Tensor]:
     """Every parameter of one rank's model loaded from the file (through the cache when it is there)."""
-    config = ModelConfig.from_pretrained(file)
+    config = load_model_config(file)
     model = load_model(file, config, dtype, "cpu", parallel or ParallelContext(), get_backend("torch"))
     return {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
 def sources(file: Path, dtype: torch.dtype) -> list[str]:
-    return [source for source, _, _ in checkpoint_tensors(file, ModelConfig.from_pretrained(file), dtype)]
+    return [source for source, _, _ in checkpoint_tensors(file, load_model_config(file), dtype)]
 
 
 def read_from_cache(file: Path, dtype: torch.dtype) -> bool:
@@ -76,17 +77,17 @@ def forbid_reading_the_gguf(monkeypatch) -> None:
     def forbidden(*args, **kwargs):
         raise AssertionError("the GGUF file was read")
 
-    engine.gguf._open_gguf.cache_clear()  # a reader this process kept would bypass the patch
+    engine.checkpoint.gguf._open_gguf.cache_clear()  # a reader this process kept would bypass the patch
     monkeypatch.setattr(gguf, "GGUFReader", forbidden)
     monkeypatch.setattr(gguf.quants, "dequantize", forbidden)
-    monkeypatch.setattr(engine.gguf_cache, "build_gguf_tokenizer", forbidden)
+    monkeypatch.setattr(engine.checkpoint.gguf_cache, "build_gguf_tokenizer", forbidden)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shard_bytes", [GIB, 1 << 20], ids=["one-shard", "1MiB-shards"])
 def test_cached_weights_equal_the_dequantized_ones_parameter_for_parameter(dtype, shard_bytes, q4_file, monkeypatch):
-    monkeypatch.setattr(engine.gguf_cache, "SHARD_BYTES", shard_bytes)
-    weights = unpacked_dir(q4_file) / f"weights-{engine.gguf_cache.dtype_name(dtype)}"
+    monkeypatch.setattr(engine.checkpoint.gguf_cache, "SHARD_BYTES", shard_bytes)
+    weights = unpacked_dir(q4_file) / f"weights-{engine.checkpoint.gguf_cache.dtype_name(dtype)}"
     dequantized = load(q4_file, dtype)  # the first load: from the file, writing the cache as it goes
     assert weights.is_dir()
 
@@ -100,7 +101,8 @@ def test_cached_weights_equal_the_dequantized_ones_parameter_for_parameter(dtype
 
 def test_cold_load_equals_a_load_that_never_caches(q4_file, monkeypatch):
     """The first load, which writes the cache as it goes, gives what a load with no cache at all gives."""
-    monkeypatch.setattr(engine.gguf_cache._WeightsWriter, "start", classmethod(lambda cls, *args, **kw: None))
+    writer = engine.checkpoint.gguf_cache._WeightsWriter
+    monkeypatch.setattr(writer, "start", classmethod(lambda cls, *args, **kw: None))
     never_cached = load(q4_file, torch.bfloat16)
     assert not (unpacked_dir(q4_file) / "weights-bfloat16").exists()
     monkeypatch.undo()
@@ -113,7 +115,7 @@ def test_cold_load_equals_a_load_that_never_caches(q4_file, monkeypatch):
 def test_a_tensor_parallel_rank_reads_its_shard_of_the_cached_weights(dtype, q4_file):
     rank1 = ParallelContext(rank=1, world_size=2)
     dequantized = load(q4_file, dtype, rank1)
-    checkpoint = list(checkpoint_tensors(q4_file, ModelConfig.from_pretrained(q4_file), dtype))
+    checkpoint = list(checkpoint_tensors(q4_file, load_model_config(q4_file), dtype))
     assert all(hasattr(tensor, "get_shape") for _, _, tensor in checkpoint)  # safetensors slices: read by rows
     assert_same_parameters(load(q4_file, dtype, rank1), dequantized)
 
@@ -125,15 +127,15 @@ def test_the_cached_config_is_the_one_read_from_the_metadata(fixture, request, t
     file = write_gguf(model_dir, tmp_path / "model.gguf", rope_freqs=freqs)
     from_metadata = ModelConfig(**model_config_fields(file))
 
-    assert ModelConfig.from_pretrained(file) == from_metadata  # cold: parsed, then cached
+    assert load_model_config(file) == from_metadata  # cold: parsed, then cached
     assert (unpacked_dir(file) / "model_config.json").is_file()
-    assert ModelConfig.from_pretrained(file) == from_metadata  # warm: from the JSON
+    assert load_model_config(file) == from_metadata  # warm: from the JSON
 
 
 def test_a_tensor_the_engine_does_not_load_is_listed_in_the_index_but_not_stored(tiny_llama3_rope_dir, tmp_path):
     file = write_gguf(tiny_llama3_rope_dir, tmp_path / "rope.gguf", rope_freqs=llama3_rope_freqs(tiny_llama3_rope_dir))
     dequantized = load(file, torch.float32)
-    cached = list(checkpoint_tensors(file, ModelConfig.from_pretrained(file), torch.float32))
+    cached = list(checkpoint_tensors(file, load_model_config(file), torch.float32))
 
     [(source, tensor)] = [(source, tensor) for source, name, tensor in cached if name == "rope_freqs.weight"]
     assert tensor is None and "unpacked in" in source  # rope scaling is in the config already
@@ -141,7 +143,7 @@ def test_a_tensor_the_engine_does_not_load_is_listed_in_the_index_but_not_stored
 
 
 def test_the_cached_tokenizer_encodes_and_templates_as_the_converted_one(q4_file):
-    converted = engine.gguf.build_gguf_tokenizer(q4_file)
+    converted = engine.checkpoint.gguf.build_gguf_tokenizer(q4_file)
     load_tokenizer(q4_file)  # cold: converted, then cached
     cached = load_tokenizer(q4_file)
 
@@ -159,10 +161,10 @@ def test_the_cached_tokenizer_encodes_and_templates_as_the_converted_one(q4_file
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_second_load_reads_nothing_from_the_gguf_file(dtype, q4_file, monkeypatch):
-    config, tokenizer, params = ModelConfig.from_pretrained(q4_file), load_tokenizer(q4_file), load(q4_file, dtype)
+    config, tokenizer, params = load_model_config(q4_file), load_tokenizer(q4_file), load(q4_file, dtype)
     forbid_reading_the_gguf(monkeypatch)
 
-    assert ModelConfig.from_pretrained(q4_file) == config
+    assert load_model_config(q4_file) == config
     assert load_tokenizer(q4_file).encode("héllo wörld") == tokenizer.encode("héllo wörld")
     assert_same_parameters(load(q4_file, dtype), params)
 
@@ -217,14 +219,14 @@ def test_damaged_cached_weights_fall_back_to_the_file_and_are_rewritten(damage, 
 @pytest.mark.parametrize("content", ['{"version": 1, "fie', '{"version": 1, "fields": {"vocab_size": 3}}',
                                      '{"version": 0, "fields": {}}'], ids=["garbled", "missing-fields", "older"])
 def test_a_damaged_cached_config_falls_back_to_the_metadata_and_is_rewritten(content, q4_file, caplog):
-    config = ModelConfig.from_pretrained(q4_file)
+    config = load_model_config(q4_file)
     cached = unpacked_dir(q4_file) / "model_config.json"
     cached.write_text(content)
 
     with caplog.at_level(logging.WARNING, logger="shardserve.gguf"):
-        assert ModelConfig.from_pretrained(q4_file) == config
+        assert load_model_config(q4_file) == config
     assert "ignoring the unreadable cached config" in caplog.text
-    assert json.loads(cached.read_text())["version"] == engine.gguf_cache.FORMAT_VERSION
+    assert json.loads(cached.read_text())["version"] == engine.checkpoint.gguf_cache.FORMAT_VERSION
 
 
 def test_a_damaged_cached_tokenizer_falls_back_to_the_metadata_and_is_rewritten(q4_file, caplog, monkeypatch):
@@ -253,7 +255,7 @@ def test_a_crashed_writers_staging_folder_is_neither_read_nor_left_behind(q4_fil
 
 
 def test_a_load_stopped_midway_leaves_no_cache_and_no_lock(q4_file):
-    walk = checkpoint_tensors(q4_file, ModelConfig.from_pretrained(q4_file), torch.float32)
+    walk = checkpoint_tensors(q4_file, load_model_config(q4_file), torch.float32)
     next(walk), next(walk)
     walk.close()  # e.g. the loader raised on a tensor of the wrong shape
 
@@ -280,7 +282,7 @@ def test_a_cache_that_cannot_be_written_only_warns(q4_file, monkeypatch, caplog)
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(engine.gguf_cache, "save_file", disk_full)
+    monkeypatch.setattr(engine.checkpoint.gguf_cache, "save_file", disk_full)
     with caplog.at_level(logging.WARNING, logger="shardserve.gguf"):
         params = load(q4_file, torch.float32)
     assert "No space left on device" in caplog.text
@@ -293,9 +295,11 @@ def test_a_cache_that_cannot_be_written_only_warns(q4_file, monkeypatch, caplog)
 
 
 def test_weights_that_would_nearly_fill_the_disk_are_not_cached(q4_file, monkeypatch, caplog):
-    size = engine.gguf_cache.unpacked_size(q4_file, torch.float32)
-    free = size + engine.gguf_cache.DISK_HEADROOM_BYTES - 1
-    monkeypatch.setattr(engine.gguf_cache.shutil, "disk_usage", lambda path: SimpleNamespace(free=free))
+    size = engine.checkpoint.gguf_cache.unpacked_size(q4_file, torch.float32)
+    free = size + engine.checkpoint.gguf_cache.DISK_HEADROOM_BYTES - 1
+    monkeypatch.setattr(
+        engine.checkpoint.gguf_cache.shutil, "disk_usage", lambda path: SimpleNamespace(free=free)
+    )
     with caplog.at_level(logging.WARNING, logger="shardserve.gguf"):
         params = load(q4_file, torch.float32)
     assert "not caching the weights" in caplog.text and "GiB free" in caplog.text
@@ -306,7 +310,7 @@ def test_weights_that_would_nearly_fill_the_disk_are_not_cached(q4_file, monkeyp
 def test_a_changed_file_is_a_new_cache_entry(tiny_llama_dir, tiny_qwen2_dir, tmp_path):
     file = write_gguf(tiny_llama_dir, tmp_path / "model.gguf")
     llama_entry = unpacked_dir(file)
-    assert ModelConfig.from_pretrained(file).architecture == "llama"
+    assert load_model_config(file).architecture == "llama"
 
     stat = file.stat()
     os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # same bytes, touched
@@ -314,7 +318,7 @@ def test_a_changed_file_is_a_new_cache_entry(tiny_llama_dir, tiny_qwen2_dir, tmp
 
     write_gguf(tiny_qwen2_dir, file)  # replaced by another model under the same name
     assert unpacked_dir(file) != llama_entry
-    config = ModelConfig.from_pretrained(file)
+    config = load_model_config(file)
     assert config.architecture == "qwen2" and config.attention_bias
     assert load_tokenizer(file).encode("héllo") == load_tokenizer(tiny_qwen2_dir).encode("héllo")
 
@@ -327,7 +331,7 @@ def test_unpack_gguf_fills_the_cache_so_that_no_load_reads_the_file(q4_file, mon
     }
     assert unpack_gguf(q4_file, torch.bfloat16) == folder  # again: nothing to do
     forbid_reading_the_gguf(monkeypatch)
-    ModelConfig.from_pretrained(q4_file), load_tokenizer(q4_file), load(q4_file, torch.bfloat16)
+    load_model_config(q4_file), load_tokenizer(q4_file), load(q4_file, torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -92,7 +92,7 @@ def test_preemption_under_a_small_kv_pool_keeps_outputs_and_frees_every_block(ti
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(max_tokens=24))]
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was large enough: no preemption happened"
     assert got == expected
-    manager = llm.engine.block_manager
+    manager = llm.engine.scheduler.block_manager
     assert manager.num_free_blocks == manager.num_blocks
     manager.check_invariants()
 

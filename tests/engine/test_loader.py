@@ -9,17 +9,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import engine.loader
+import engine.checkpoint.loader
+from engine.checkpoint.loader import load_model, load_tokenizer
+from engine.checkpoint.model_config import load_model_config
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.loader import load_model, load_tokenizer
 from kernels.backend import get_backend
 from parallel.layers import QKVParallelLinear, RowParallelLinear
 from parallel.state import ParallelContext
 
 
 def load(model_dir, parallel: ParallelContext | None = None):
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     return load_model(
         model_dir, config, torch.float32, "cpu", parallel or ParallelContext(), get_backend("torch")
     )
@@ -131,7 +132,7 @@ class RecordingSlice:
 
 
 def test_weight_loader_reads_only_this_ranks_rows_from_a_safetensors_slice(tiny_llama_dir):
-    config = ModelConfig.from_pretrained(tiny_llama_dir)
+    config = load_model_config(tiny_llama_dir)
     name = "model.layers.0.self_attn.q_proj.weight"
     with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as f:
         full = f.get_tensor(name)
@@ -150,7 +151,7 @@ def test_weight_loader_reads_only_this_ranks_rows_from_a_safetensors_slice(tiny_
 
 
 def test_row_parallel_weight_loader_reads_only_this_ranks_columns(tiny_llama_dir):
-    config = ModelConfig.from_pretrained(tiny_llama_dir)
+    config = load_model_config(tiny_llama_dir)
     name = "model.layers.0.mlp.down_proj.weight"
     with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as f:
         full = f.get_tensor(name)
@@ -184,7 +185,7 @@ def test_tp2_rank_load_reads_only_its_shard_of_every_sharded_tensor(tiny_llama_d
         def get_slice(self, name):
             return RecordingSlice(self.inner.get_slice(name), reads.setdefault(name, []))
 
-    monkeypatch.setattr(engine.loader, "safe_open", RecordingCheckpoint)
+    monkeypatch.setattr(engine.checkpoint.loader, "safe_open", RecordingCheckpoint)
     load(tiny_llama_dir, ParallelContext(rank=1, world_size=2))
 
     assert reads, "the loader did not read through get_slice"

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
-from engine.loader import load_model
+from engine.checkpoint.loader import load_model
+from engine.checkpoint.model_config import load_model_config
 from kernels.backend import get_backend
 from parallel.layers import (
     ColumnParallelLinear,
@@ -81,7 +81,7 @@ def decode_metadata(context_lens: list[int], block_tables: torch.Tensor) -> Atte
 
 
 def load_ours(model_dir, parallel: ParallelContext | None = None):
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     model = load_model(
         model_dir, config, torch.float32, "cpu", parallel or ParallelContext(), get_backend("torch")
     )
@@ -136,24 +136,24 @@ def assert_prefill_then_decode_match_transformers(model_dir, hf_greedy) -> None:
 
 
 def test_llama_gqa_prefill_and_decode_logits_match_transformers(tiny_llama_gqa_dir, hf_greedy):
-    config = ModelConfig.from_pretrained(tiny_llama_gqa_dir)
+    config = load_model_config(tiny_llama_gqa_dir)
     assert config.num_key_value_heads < config.num_attention_heads and not config.tie_word_embeddings
     assert_prefill_then_decode_match_transformers(tiny_llama_gqa_dir, hf_greedy)
 
 
 def test_llama3_rope_scaling_logits_match_transformers(tiny_llama3_rope_dir, hf_greedy):
-    assert ModelConfig.from_pretrained(tiny_llama3_rope_dir).rope_scaling["rope_type"] == "llama3"
+    assert load_model_config(tiny_llama3_rope_dir).rope_scaling["rope_type"] == "llama3"
     assert_prefill_then_decode_match_transformers(tiny_llama3_rope_dir, hf_greedy)
 
 
 def test_qwen2_with_qkv_bias_and_tied_embeddings_matches_transformers(tiny_qwen2_dir, hf_greedy):
-    config = ModelConfig.from_pretrained(tiny_qwen2_dir)
+    config = load_model_config(tiny_qwen2_dir)
     assert config.attention_bias and config.tie_word_embeddings
     assert_prefill_then_decode_match_transformers(tiny_qwen2_dir, hf_greedy)
 
 
 def test_qwen3_with_qk_norm_and_explicit_head_dim_matches_transformers(tiny_qwen3_dir, hf_greedy):
-    config = ModelConfig.from_pretrained(tiny_qwen3_dir)
+    config = load_model_config(tiny_qwen3_dir)
     assert config.architecture == "qwen3" and not config.attention_bias and config.tie_word_embeddings
     assert config.head_dim != config.hidden_size // config.num_attention_heads
     assert_prefill_then_decode_match_transformers(tiny_qwen3_dir, hf_greedy)
@@ -173,7 +173,7 @@ def test_attention_bias_defaults_follow_transformers(model_type, bias, tmp_path)
         head_dim=16,
     )
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    config = ModelConfig.from_pretrained(tmp_path)
+    config = load_model_config(tmp_path)
     assert (config.architecture, config.attention_bias, config.head_dim) == (model_type, bias, 16)
 
 

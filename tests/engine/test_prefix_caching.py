@@ -65,9 +65,9 @@ def make_engine(model_dir, **kw) -> LLMEngine:
 
 def make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64):
     config = EngineConfig(model="unused", block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-                          watermark=0.0)
-    manager = BlockManager(num_blocks, block_size, watermark=0.0, enable_prefix_caching=True)
-    return scheduler_with_fixed_tokens(config, manager), manager
+                          watermark=0.0, enable_prefix_caching=True)
+    scheduler = scheduler_with_fixed_tokens(config, num_blocks)
+    return scheduler, scheduler.block_manager
 
 
 _ids = iter(range(10**6))
@@ -190,13 +190,13 @@ def test_shared_prefix_sent_at_once_is_exact_and_computes_the_prefix_once(tiny_l
     assert computed_prefill_tokens(requests_off) == 20 * prompt_len  # 6400
     assert computed_prefill_tokens(requests_on) == prompt_len + 19 * own_tokens  # 320 + 19 * 32 = 928
     blocks_per_request = -(-(prompt_len + MAX_NEW) // BLOCK)  # 21
-    assert off.block_manager.peak_num_used_blocks == 20 * blocks_per_request  # 420
-    assert on.block_manager.peak_num_used_blocks == shared_blocks + 20 * (blocks_per_request - shared_blocks)  # 78
+    assert off.scheduler.block_manager.peak_num_used_blocks == 20 * blocks_per_request  # 420
+    assert on.scheduler.block_manager.peak_num_used_blocks == shared_blocks + 20 * (blocks_per_request - shared_blocks)  # 78
     assert [r.seqs[0].num_cached_tokens for r in requests_on] == [0] + [shared_blocks * BLOCK] * 19
     stats = on.stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (20 * prompt_len, 19 * shared_blocks * BLOCK)
     for engine in (off, on):
-        engine.block_manager.check_all_free()
+        engine.scheduler.block_manager.check_all_free()
 
 
 def test_shared_prefix_staggered_is_exact_and_computes_the_prefix_once(tiny_llama_dir, shared_prompts, expected):
@@ -205,8 +205,8 @@ def test_shared_prefix_staggered_is_exact_and_computes_the_prefix_once(tiny_llam
     assert got == expected
     own_tokens = SHARED + UNIQUE - (SHARED // BLOCK) * BLOCK
     assert computed_prefill_tokens(requests) == SHARED + UNIQUE + 19 * own_tokens
-    assert on.block_manager.peak_num_used_blocks <= SHARED // BLOCK + 20 * 3
-    on.block_manager.check_all_free()
+    assert on.scheduler.block_manager.peak_num_used_blocks <= SHARED // BLOCK + 20 * 3
+    on.scheduler.block_manager.check_all_free()
 
 
 def test_prefix_caching_with_chunked_prefill_and_recompute_preemption(tiny_llama_dir, shared_prompts, expected):
@@ -216,14 +216,14 @@ def test_prefix_caching_with_chunked_prefill_and_recompute_preemption(tiny_llama
     assert got == expected
     assert engine.scheduler.num_preemptions_by_mode["recompute"] > 0
     assert any(len(r.metrics.prefill_chunks) > 1 for r in requests), "no prompt was chunked"
-    engine.block_manager.check_all_free()
+    engine.scheduler.block_manager.check_all_free()
 
 
 def test_a_full_pool_of_cached_blocks_is_evicted_in_order_and_stays_exact(tiny_llama_dir, hf_greedy):
     rng = random.Random(4)
     first, second, big, other = ([rng.randrange(3, 1024) for _ in range(n)] for n in (64, 64, 200, 120))
     engine = make_engine(tiny_llama_dir, num_kv_blocks=24, max_model_len=384, watermark=0.0)
-    manager = engine.block_manager
+    manager = engine.scheduler.block_manager
     outputs = {}
     for name, prompt in (("first", first), ("second", second), ("big", big)):
         outputs[name] = run_at_once(engine, [prompt])[0][0]

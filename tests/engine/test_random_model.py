@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from engine.config import ModelConfig
-from engine.loader import load_model, load_tokenizer
-from engine.random_model import default_bench_model_dir, ensure_bench_model, main, make_model
+from engine.checkpoint.loader import load_model, load_tokenizer
+from engine.checkpoint.model_config import load_model_config
+from engine.checkpoint.random_model import default_bench_model_dir, ensure_bench_model, main, make_model
 from kernels.backend import get_backend
 from parallel.state import ParallelContext
 
@@ -24,7 +24,7 @@ def test_tiny_model_loads_in_transformers_and_in_our_loader(arch, request, hf_gr
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     hf = hf_greedy.model(model_dir)
     assert hf.config.model_type == arch
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     ours = load_model(model_dir, config, torch.float32, "cpu", ParallelContext(), get_backend("torch"))
     hf_embedding = hf.get_input_embeddings().weight
     assert torch.equal(ours.model.embed_tokens.weight, hf_embedding)
@@ -33,7 +33,7 @@ def test_tiny_model_loads_in_transformers_and_in_our_loader(arch, request, hf_gr
 
 
 def test_tiny_presets_are_gqa_and_qwen2_has_bias_and_tied_embeddings(tiny_llama_dir, tiny_qwen2_dir):
-    llama, qwen2 = ModelConfig.from_pretrained(tiny_llama_dir), ModelConfig.from_pretrained(tiny_qwen2_dir)
+    llama, qwen2 = load_model_config(tiny_llama_dir), load_model_config(tiny_qwen2_dir)
     assert (llama.num_attention_heads, llama.num_key_value_heads) == (4, 2)
     assert not llama.tie_word_embeddings and not llama.attention_bias
     assert qwen2.attention_bias and qwen2.tie_word_embeddings
@@ -57,7 +57,7 @@ def test_tokenizer_round_trips_text_including_multibyte_utf8(arch, text, request
 
 
 def test_tiny_qwen3_has_random_qk_norms_an_explicit_head_dim_and_no_bias(tiny_qwen3_dir):
-    config = ModelConfig.from_pretrained(tiny_qwen3_dir)
+    config = load_model_config(tiny_qwen3_dir)
     assert config.architecture == "qwen3" and config.tie_word_embeddings and not config.attention_bias
     assert (config.hidden_size, config.num_attention_heads, config.head_dim) == (256, 4, 128)
     tensors = load_file(tiny_qwen3_dir / "model.safetensors")
@@ -109,7 +109,7 @@ def test_make_model_is_deterministic_for_a_seed(tiny_llama_dir, tmp_path):
 def test_cli_writes_the_requested_model(tmp_path, capsys):
     out = main(["--arch", "qwen2", "--preset", "tiny", "--out", str(tmp_path / "cli"), "--seed", "3"])
     assert out == tmp_path / "cli" and capsys.readouterr().out.strip() == str(out)
-    assert ModelConfig.from_pretrained(out).architecture == "qwen2"
+    assert load_model_config(out).architecture == "qwen2"
 
 
 def test_ensure_bench_model_builds_once_under_the_cache_folder(tmp_path, monkeypatch):

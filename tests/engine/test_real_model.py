@@ -1,6 +1,7 @@
 """The demo model, a real trained checkpoint (SmolLM2-135M-Instruct, Q4_1 GGUF): greedy output equals
 transformers loading the same file, batched and under chunked prefill, and it knows its geography; so
-does an engine that loads it from its unpacked cache (engine/gguf_cache.py) without reading the file."""
+does an engine that loads it from its unpacked cache (engine/checkpoint/gguf_cache.py) without reading the
+file."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.checkpoint.demo import unpack_demo_model
+from engine.checkpoint.gguf import model_config_fields
+from engine.checkpoint.gguf_cache import unpack_gguf, unpacked_dir
+from engine.checkpoint.model_config import load_model_config
 from engine.config import EngineConfig, ModelConfig
-from engine.demo_model import unpack_demo_model
-from engine.gguf import model_config_fields
-from engine.gguf_cache import unpack_gguf, unpacked_dir
 from tests.engine.test_gguf_cache import forbid_reading_the_gguf
 
 QUESTIONS = [
@@ -34,7 +36,7 @@ def gguf_cache_root(smollm2_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chat_prompts(smollm2_gguf) -> list[list[int]]:
-    from engine.loader import load_tokenizer
+    from engine.checkpoint.loader import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_gguf)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
@@ -60,7 +62,7 @@ def transformers_greedy(smollm2_gguf, chat_prompts) -> list[list[int]]:
 
 
 def test_the_config_is_read_from_the_gguf_metadata(smollm2_gguf):
-    config = ModelConfig.from_pretrained(smollm2_gguf)
+    config = load_model_config(smollm2_gguf)
     assert (config.architecture, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
     assert (config.vocab_size, config.max_position_embeddings, config.tie_word_embeddings) == (49152, 8192, True)
@@ -82,7 +84,7 @@ def test_greedy_chat_answers_equal_transformers_batched_and_chunked(smollm2_gguf
 
 def test_the_install_step_unpacks_what_auto_dtype_serves(smollm2_gguf):
     folder = unpack_demo_model(smollm2_gguf)
-    config = ModelConfig.from_pretrained(smollm2_gguf)
+    config = load_model_config(smollm2_gguf)
     auto = str(EngineConfig(model=str(smollm2_gguf)).torch_dtype(config)).removeprefix("torch.")
     assert folder == unpacked_dir(smollm2_gguf)
     assert {"model_config.json", "tokenizer", f"weights-{auto}"} <= {p.name for p in folder.iterdir()}

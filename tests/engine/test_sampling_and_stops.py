@@ -8,6 +8,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.sampler import sample
 from engine.sequence import Request
+from kernels.backend import get_backend
+
+BACKEND = get_backend()  # what a CPU engine's model runner samples with
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,7 @@ def _seq_with(params, tokens=(5, 6, 7)):
 def test_top_k_one_and_temperature_zero_are_greedy():
     logits = torch.randn(2, 50)
     seqs = [_seq_with(SamplingParams(top_k=1, temperature=1.0)), _seq_with(SamplingParams(temperature=0.0))]
-    assert [t.token_id for t in sample(logits, seqs, ())] == logits.argmax(-1).tolist()
+    assert [t.token_id for t in sample(logits, seqs, (), BACKEND)] == logits.argmax(-1).tolist()
 
 
 def test_top_k_and_top_p_never_pick_outside_their_set():
@@ -85,8 +88,8 @@ def test_top_k_and_top_p_never_pick_outside_their_set():
     order = probs.argsort(descending=True)
     nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
     for _ in range(50):
-        [k] = sample(logits, [_seq_with(SamplingParams(top_k=5))], ())
-        [p] = sample(logits, [_seq_with(SamplingParams(top_p=0.5))], ())
+        [k] = sample(logits, [_seq_with(SamplingParams(top_k=5))], (), BACKEND)
+        [p] = sample(logits, [_seq_with(SamplingParams(top_p=0.5))], (), BACKEND)
         assert k.token_id in top5
         assert p.token_id in nucleus
 
@@ -95,7 +98,7 @@ def test_min_p_drops_unlikely_tokens():
     logits = torch.full((1, 10), -10.0)
     logits[0, 3], logits[0, 4] = 5.0, 4.5
     for _ in range(30):
-        [t] = sample(logits, [_seq_with(SamplingParams(min_p=0.1))], ())
+        [t] = sample(logits, [_seq_with(SamplingParams(min_p=0.1))], (), BACKEND)
         assert t.token_id in (3, 4)
 
 
@@ -104,17 +107,17 @@ def test_repetition_and_presence_penalties_steer_away_from_seen_tokens():
     logits[0, 5] = 1.0  # token 5 is in the prompt and would win greedily
     logits[0, 8] = 0.9
     penalised = SamplingParams(temperature=0.0, repetition_penalty=2.0)
-    assert sample(logits, [_seq_with(penalised)], ())[0].token_id == 8
+    assert sample(logits, [_seq_with(penalised)], (), BACKEND)[0].token_id == 8
     seq = _seq_with(SamplingParams(temperature=0.0, presence_penalty=0.5), tokens=(1,))
     seq.append_token(5, None)  # an output token
-    assert sample(logits, [seq], ())[0].token_id == 8
+    assert sample(logits, [seq], (), BACKEND)[0].token_id == 8
 
 
 def test_min_tokens_suppresses_eos():
     logits = torch.zeros(1, 10)
     logits[0, 2] = 10.0  # EOS is by far the best token
     seq = _seq_with(SamplingParams(temperature=0.0, min_tokens=2))
-    assert sample(logits, [seq], (2,))[0].token_id != 2
+    assert sample(logits, [seq], (2,), BACKEND)[0].token_id != 2
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,11 @@ def make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64, max_n
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         enable_chunked_prefill=chunked,
+        enable_prefix_caching=False,
         watermark=0.0,
     )
-    manager = BlockManager(num_blocks, block_size, watermark=0.0)
-    return scheduler_with_fixed_tokens(config, manager), manager
+    scheduler = scheduler_with_fixed_tokens(config, num_blocks)
+    return scheduler, scheduler.block_manager
 
 
 _request_counter = iter(range(10**6))
@@ -144,9 +145,8 @@ def test_finish_returns_blocks_to_the_pool():
 
 
 def test_watermark_keeps_blocks_for_running_sequences():
-    config = EngineConfig(model="unused", block_size=4, watermark=0.25)
-    manager = BlockManager(8, 4, watermark=0.25)  # 2 blocks reserved when admitting
-    scheduler = scheduler_with_fixed_tokens(config, manager)
+    config = EngineConfig(model="unused", block_size=4, watermark=0.25, enable_prefix_caching=False)
+    scheduler = scheduler_with_fixed_tokens(config, 8)  # 2 of the 8 blocks reserved when admitting
     running = add_request(scheduler, 16)  # 4 blocks: admitted with nothing running
     scheduler.schedule()
     waiting = add_request(scheduler, 12)  # 3 blocks: 3 + 2 reserved > 4 free

@@ -8,7 +8,6 @@ import torch
 from scheduler_steps import run_step, scheduler_with_fixed_tokens
 
 from engine import SamplingParams
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sequence import Request, SequenceStatus
@@ -55,9 +54,11 @@ def computed_prefill_tokens(requests) -> int:
 
 
 def make_scheduler(num_blocks=4, num_host_blocks=8, block_size=4):
-    config = EngineConfig(model="unused", block_size=block_size, watermark=0.0, preemption_mode="swap")
-    manager = BlockManager(num_blocks, block_size, watermark=0.0, num_host_blocks=num_host_blocks)
-    return scheduler_with_fixed_tokens(config, manager), manager
+    config = EngineConfig(
+        model="unused", block_size=block_size, watermark=0.0, preemption_mode="swap", enable_prefix_caching=False
+    )
+    scheduler = scheduler_with_fixed_tokens(config, num_blocks, num_host_blocks)
+    return scheduler, scheduler.block_manager
 
 
 def add(scheduler, prompt_len, max_tokens=8):
@@ -82,7 +83,7 @@ def test_preempted_sequence_is_swapped_out_and_its_blocks_wait_for_the_copy():
     assert out.is_empty and manager.ref_counts[2:] == [1, 1] and manager.num_free_blocks == 0
     manager.check_invariants(live(scheduler))
     assert scheduler.schedule().is_empty  # the copy has not been reported finished
-    manager.complete_swap_out(out.swap_out_ticket)
+    scheduler.swap_outs_done([out.swap_out_ticket])
     out = scheduler.schedule()
     assert [c.seq for c in out.decodes] == [old] and old.block_table == [0, 1, 2]
     assert scheduler.num_preemptions_by_mode == {"recompute": 0, "swap": 1}
@@ -94,7 +95,7 @@ def test_swapped_sequence_comes_back_before_new_prompts_without_recomputing():
     old, new = add(scheduler, 8), add(scheduler, 8)
     run_step(scheduler, scheduler.schedule())
     out = scheduler.schedule()
-    manager.complete_swap_out(out.swap_out_ticket)
+    scheduler.swap_outs_done([out.swap_out_ticket])
     scheduler.finish(old, "length")
     newcomer = add(scheduler, 3)
     out = scheduler.schedule()
@@ -115,7 +116,7 @@ def test_no_prompt_is_admitted_while_a_sequence_waits_in_swapped():
     run_step(scheduler, scheduler.schedule())
     out = scheduler.schedule()
     assert out.preempted == [third] and out.swap_out == [(4, 0), (5, 1)]
-    manager.complete_swap_out(out.swap_out_ticket)
+    scheduler.swap_outs_done([out.swap_out_ticket])
     newcomer = add(scheduler, 1)  # one block would fit, but third has not come back yet
     out = scheduler.schedule()
     assert newcomer.status is SequenceStatus.WAITING and third.status is SequenceStatus.SWAPPED
@@ -142,7 +143,7 @@ def test_aborting_a_swapped_sequence_returns_its_host_blocks():
     out = scheduler.schedule()
     scheduler.finish(new, "abort")
     assert manager.num_free_host_blocks == 8 and not scheduler.swapped
-    manager.complete_swap_out(out.swap_out_ticket)
+    scheduler.swap_outs_done([out.swap_out_ticket])
     manager.check_invariants(live(scheduler))
 
 
@@ -210,7 +211,7 @@ def test_forced_swap_preemption_is_exact_and_recomputes_nothing(tiny_llama_dir, 
     assert engine.scheduler.num_preemptions_by_mode["recompute"] == 0
     assert computed_prefill_tokens(requests) == sum(map(len, prompts))  # every resume was a swap-in
     assert engine.executor.runner.swapper.num_swap_out_waits == 0
-    engine.block_manager.check_all_free()
+    engine.scheduler.block_manager.check_all_free()
 
 
 def test_shared_prefix_with_prefix_caching_and_swap_preemption_is_exact(tiny_llama_dir, hf_greedy):
@@ -232,7 +233,7 @@ def test_shared_prefix_with_prefix_caching_and_swap_preemption_is_exact(tiny_lla
     assert max(num_swapped) >= 1
     assert engine.stats().num_preemptions_by_mode == modes
     assert engine.stats().prefix_cache_hits > 0
-    engine.block_manager.check_all_free()
+    engine.scheduler.block_manager.check_all_free()
 
 
 def test_decode_steps_continue_while_a_swap_out_is_in_flight(tiny_llama_dir, hf_greedy):
@@ -274,4 +275,4 @@ def test_decode_steps_continue_while_a_swap_out_is_in_flight(tiny_llama_dir, hf_
     assert len(decodes_while_in_flight) == 5
     assert swapper.num_swap_out_waits == 0  # no step waited on the held copy
     assert got == expected
-    engine.block_manager.check_all_free()
+    engine.scheduler.block_manager.check_all_free()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.random_model import BOS_ID, EOS_ID, PRESETS, train_tokenizer
+from engine.checkpoint.random_model import BOS_ID, EOS_ID, PRESETS, train_tokenizer
 
 # not divisible by 2 or 4: ParallelLMHead pads it to 1022 / 1024 and trims the padding
 ODD_VOCAB_SIZE = 1021

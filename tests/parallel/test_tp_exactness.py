@@ -127,3 +127,23 @@ def test_a_gguf_checkpoint_is_sharded_as_its_safetensors_original(tiny_llama_dir
         assert greedy(llm, prompts) == expected
     finally:
         llm.shutdown()
+
+
+def test_constrained_greedy_at_tp2_equals_transformers_under_the_grammar(tiny_llama_dir, hf_greedy):
+    """Rank 0 samples through the grammar mask; chunked prefill and preemption run beside it."""
+    from engine.config import StructuredOutputsParams
+    from tests.engine.grammar_oracle import hf_constrained_greedy
+
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"},
+                                               "note": {"type": "string", "maxLength": 10}},
+              "required": ["id", "ok", "note"], "additionalProperties": False}
+    prompts = prompts_for(1024)
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", **CHUNKED_AND_PREEMPTING)
+    try:
+        expected = hf_constrained_greedy(hf_greedy, tiny_llama_dir, llm.get_tokenizer(), prompts, schema, 30)
+        params = SamplingParams(temperature=0.0, max_tokens=30,
+                                structured_outputs=StructuredOutputsParams(json=schema))
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        assert llm.engine.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()

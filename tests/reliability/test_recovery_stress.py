@@ -123,7 +123,7 @@ def report(figures: list[str], fault: str, results: list[tuple[float, float, str
 
 def bench_model_flags() -> list[str]:
     """The demo model has 9 attention heads, which 2 ranks cannot split: TP=2 runs the bench model."""
-    from engine.random_model import ensure_bench_model
+    from engine.checkpoint.random_model import ensure_bench_model
 
     return ["--model", str(ensure_bench_model()), "--served-model-name", DEMO_MODEL_NAME]
 

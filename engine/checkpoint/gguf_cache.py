@@ -5,7 +5,7 @@ for a 49k vocabulary), transformers converts the tokenizer (about 1 s), and each
 dequantized. The first load of a file keeps what it computed in one folder per file identity,
 `cache_root()/gguf/<stem>-<size>-<mtime_ns>/` (an edited or replaced file is a new identity):
 
-    model_config.json    ModelConfig's fields, as engine.gguf.model_config_fields reads them
+    model_config.json    ModelConfig's fields, as engine.checkpoint.gguf.model_config_fields reads them
     tokenizer/           the converted tokenizer (save_pretrained)
     weights-<dtype>/     the dequantized weights in one serving dtype (bfloat16, float32, ...), under
                          Hugging Face's names, q/k rows unpermuted: safetensors shards of about
@@ -35,15 +35,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
-from engine.demo_model import cache_root
-from engine.gguf import (
+from engine.checkpoint.cache_dir import cache_root
+from engine.checkpoint.gguf import (
     build_gguf_tokenizer,
     gguf_checkpoint_tensors,
     hf_tensor_name,
     model_config_fields,
     open_gguf,
 )
+from engine.config import ModelConfig
 from parallel.layers import CheckpointTensor
 
 logger = logging.getLogger("shardserve.gguf")

