@@ -40,7 +40,8 @@ stress: install
 	$(PY) -m pytest -q -ra -m stress tests/reliability
 
 # Every figure in docs/BENCHMARKS.md (about 40 minutes on 2 cores, plus about an hour for the side by side
-# with vLLM): offline engine vs HF vs the forward-pass limit, the sampler alone, the serving load test
+# with vLLM): offline engine vs HF vs the forward-pass limit, the sampler alone, structured outputs (xgrammar
+# against llguidance, the mask's cost, constrained against free beside vLLM), the serving load test
 # (shardserve bench), the serving path's overhead, TP step times, prefix caching and swap, routing across replicas
 # (the ingress's hop, prefix routing against Serve's default; ~55 minutes here), tracing
 # overhead, and vLLM's CPU build beside shardserve (scripts/setup_peer.sh installs it once, ~3 minutes).
@@ -49,6 +50,7 @@ bench: install
 	$(PY) -m scripts.bench_engine --write-doc
 	$(PY) -m scripts.bench_cpu_kernels --write-doc
 	$(PY) -m scripts.bench_sampler --write-doc
+	$(PY) -m scripts.bench_structured_output --vllm-python "$$(bash scripts/setup_peer.sh)" --write-doc
 	bash scripts/run_bench.sh
 	$(PY) -m scripts.bench_serve_overhead --write-doc
 	$(PY) -m scripts.bench_tp

@@ -322,8 +322,9 @@ class OpenAIServing:
 
         try:
             async with aclosing(deltas):  # leaving early ends the engine request now, not when collected
-                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                             for i in range(req.n)])
+                # with tool calls to read, content may never come: then it stays null, as in the whole answer
+                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(
+                    role="assistant", content="" if states[i].tool_calls is None else None)) for i in range(req.n)])
                 async for _, delta in deltas:
                     choices = []
                     for out in delta.outputs:

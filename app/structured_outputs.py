@@ -72,16 +72,16 @@ def output_constraint(req, tool_schema: dict | None = None) -> OutputConstraint 
     """The one constraint that a completion or chat request sends (`tool_schema`: the one its tool_choice
     makes), or None. Raises InvalidRequestError for two constraints, or for one that is malformed."""
     found: list[tuple[str, dict]] = []
-    if req.structured_outputs is not None:
-        found.append(("structured_outputs", req.structured_outputs.model_dump(exclude_defaults=True, by_alias=True)))
-    found += [(name, {kind: getattr(req, name)}) for name, kind in GUIDED_FIELDS.items()
-              if getattr(req, name) is not None]
     response_format = req.response_format
     if isinstance(response_format, JsonObjectFormat):
         found.append(("response_format", {"json_object": True}))
     elif isinstance(response_format, JsonSchemaFormat):
         schema = response_format.json_schema.schema_
         found.append(("response_format", {"json": schema} if schema is not None else {"json_object": True}))
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", req.structured_outputs.model_dump(exclude_defaults=True, by_alias=True)))
+    found += [(name, {kind: getattr(req, name)}) for name, kind in GUIDED_FIELDS.items()
+              if getattr(req, name) is not None]
     if tool_schema is not None:
         found.append(("tools", {"json": tool_schema}))
     if not found:

@@ -9,6 +9,8 @@ Micro (both libraries, the demo model's tokenizer (vocab 49,152) and the bench m
 - apply a bitmask to 100 × 32,000 float32 logits: the native CPU op, the torch reference, xgrammar's own.
 Engine (offline, bench model): 50 prompts of 512 tokens -> at most 128 tokens, constrained (the grammar
 ends each answer) against unconstrained with ignore_eos; generated tokens per second, alternated rounds.
+With --vllm-python (scripts/setup_peer.sh's venv), vLLM's CPU build runs the same two loads offline, in its
+own process, first (xgrammar is its default backend too).
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ def mask_apply_rows(repeats: int) -> list[str]:
     return [f"| {name} | {median_ms(fn, repeats):.3f} |" for name, fn in results.items()]
 
 
-def engine_rows(rounds: int) -> tuple[list[str], float]:
+def engine_rates(rounds: int) -> dict[str, list[float]]:
     from engine import LLM, SamplingParams
     from engine.checkpoint.random_model import ensure_bench_model
     from engine.config import StructuredOutputsParams
@@ -163,9 +165,49 @@ def engine_rows(rounds: int) -> tuple[list[str], float]:
             elapsed = time.perf_counter() - start
             rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
     llm.shutdown()
+    return rates
+
+
+def rate_rows(engine: str, rates: dict[str, list[float]]) -> list[str]:
     medians = {name: statistics.median(values) for name, values in rates.items()}
-    rows = [f"| {name} | {medians[name]:.1f} | {', '.join(f'{v:.1f}' for v in rates[name])} |" for name in rates]
-    return rows, medians["10-field JSON schema"] / medians["unconstrained"]
+    ratio = medians["10-field JSON schema"] / medians["unconstrained"]
+    return [f"| {engine} | {name} | {medians[name]:.1f} | {', '.join(f'{v:.1f}' for v in values)} |"
+            + (f" {ratio:.2f}× |" if name != "unconstrained" else " |")
+            for name, values in rates.items()]
+
+
+_VLLM_CONSTRAINED = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import StructuredOutputsParams
+args = json.load(open(sys.argv[1]))
+llm = LLM(model=args["model"], dtype="float32", max_model_len=1024, enable_prefix_caching=False, max_num_seqs=64)
+free = SamplingParams(temperature=1.0, max_tokens=128, ignore_eos=True, seed=1)
+constrained = SamplingParams(temperature=1.0, max_tokens=128, seed=1,
+                             structured_outputs=StructuredOutputsParams(json=args["schema"]))
+llm.generate([TokensPrompt(prompt_token_ids=p) for p in args["rounds"][0][:4]], [free, constrained] * 2, use_tqdm=False)
+rates = {"unconstrained": [], "10-field JSON schema": []}
+for prompts in args["rounds"]:
+    for name, params in (("unconstrained", free), ("10-field JSON schema", constrained)):
+        start = time.perf_counter()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start))
+print("RESULT " + json.dumps(rates), flush=True)
+"""
+
+
+def vllm_engine_rates(vllm_python: str, rounds: int) -> dict[str, list[float]]:
+    """vLLM's offline tok/s on the same loads (its own process, as scripts/bench_peer.py runs it)."""
+    from engine.checkpoint.random_model import ensure_bench_model
+    from scripts.bench_peer import _tcmalloc, offline_run
+    from scripts.bench_serve import REPO, VLLM_VERSION_SHIM, vllm_cpu_env
+
+    rng = random.Random(1)
+    arguments = {"model": str(ensure_bench_model()), "schema": TEN_FIELD_SCHEMA,
+                 "rounds": [[[rng.randrange(3, 32000) for _ in range(512)] for _ in range(50)] for _ in range(rounds)]}
+    env = vllm_cpu_env(vllm_python, _tcmalloc(vllm_python))
+    return offline_run([vllm_python, "-c", VLLM_VERSION_SHIM + _VLLM_CONSTRAINED], arguments, env, REPO)
 
 
 def main(argv=None) -> None:
@@ -173,6 +215,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--vllm-python", help="the peer's python (scripts/setup_peer.sh) for the side by side")
     parser.add_argument("--write-doc", action="store_true")
     args = parser.parse_args(argv)
     from engine.checkpoint.demo import ensure_demo_model
@@ -208,19 +251,20 @@ def main(argv=None) -> None:
         *apply_rows,
     ]
     if not args.skip_engine:
-        rows, ratio = engine_rows(args.rounds)
-        print(*rows, f"ratio {ratio:.2f}", sep="\n", flush=True)
+        rows = rate_rows("vLLM CPU", vllm_engine_rates(args.vllm_python, args.rounds)) if args.vllm_python else []
+        shardserve = engine_rates(args.rounds)
+        rows += rate_rows("shardserve", shardserve)
+        print(*rows, sep="\n", flush=True)
         lines += [
             "",
             "Offline engine, bench model in float32, 50 prompts × 512 tokens -> at most 128 tokens, sampled at "
             "temperature 1; the constrained answers end where the grammar ends them, the free ones run to 128 "
-            f"(ignore_eos). Generated tokens per second, {args.rounds} alternated rounds:",
+            f"(ignore_eos). Generated tokens per second, {args.rounds} alternated rounds"
+            + (", vLLM's CPU build first, in its own process:" if args.vllm_python else ":"),
             "",
-            "| load | tok/s (median) | rounds |",
-            "|---|---|---|",
+            "| engine | load | tok/s (median) | rounds | constrained / free |",
+            "|---|---|---|---|---|",
             *rows,
-            "",
-            f"Constrained / unconstrained: **{ratio:.2f}×**.",
         ]
     lines += ["", "Command: `python -m scripts.bench_structured_output --write-doc` (in `make bench`)"]
     if args.write_doc:

@@ -25,7 +25,7 @@ TIME = {"type": "function", "function": {"name": "get_time"}}
 
 @pytest.fixture
 def engine() -> FakeEngine:
-    return FakeEngine(max_model_len=256)
+    return FakeEngine(max_model_len=2048)  # room for the default tool rendering, a byte a token
 
 
 @pytest.fixture
