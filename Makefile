@@ -25,8 +25,10 @@ demo-model: $(STAMP)
 
 install: $(STAMP) $(CPU_KERNELS) demo-model
 
+# The demo model reads its own tool calls (`tool_choice: "auto"`, the default when a request sends tools) in
+# Hermes' <tool_call> format, which the default tool rendering asks for (app/tool_calls/rendering.py).
 run: install
-	$(VENV)/bin/shardserve serve --host 127.0.0.1 --port 8000
+	$(VENV)/bin/shardserve serve --host 127.0.0.1 --port 8000 --enable-auto-tool-choice --tool-call-parser hermes
 
 # Two pytest processes (pytest-xdist), each taking a whole test file at a time, so a file's fixtures are built
 # once (on the 2-core AVX2 EPYC, 2026-12-02: 734 s against 1026 s in one process, whose Ray and HTTP tests leave

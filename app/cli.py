@@ -18,6 +18,11 @@ import typing
 from typing import Any
 
 from app.config import ServeArgs
+from app.ray_cluster import (
+    adopt_orphaned_descendants,
+    end_leftover_processes,
+    ray_processes_in_their_own_process_group,
+)
 from bench.flags import flag_help
 
 logger = logging.getLogger("shardserve.cli")
@@ -74,14 +79,29 @@ def _cluster_cpus(args: ServeArgs) -> int:
     return max(os.cpu_count() or 1, int(needed + 0.999))
 
 
-def serve(args: ServeArgs) -> None:
-    """Start a local Ray, run the app behind Serve's HTTP proxy, block until Ctrl-C or SIGTERM."""
+def connect_to_ray(args: ServeArgs, ray_address: str | None) -> bool:
+    """Join the cluster at `ray_address` (an address, or `auto`: the one `ray start` left on this machine), or
+    start a local one of our own; True where it is our own (we stop it on leaving)."""
+    import ray
+
+    if ray_address is not None:
+        ray.init(address=ray_address, logging_level=logging.WARNING)
+        return False
+    ray_processes_in_their_own_process_group()  # a signal to our process group reaches the CLI only
+    adopt_orphaned_descendants()
+    # address="local": always a fresh cluster of our own, never one some other process started
+    ray.init(address="local", include_dashboard=False, num_cpus=_cluster_cpus(args), logging_level=logging.WARNING)
+    return True
+
+
+def serve(args: ServeArgs, ray_address: str | None = None) -> None:
+    """Run the app on Ray Serve behind its HTTP proxy, on the cluster at `ray_address` or on a local one of our
+    own; block until Ctrl-C or SIGTERM, then drain."""
     from app.proxy_errors import use_openai_errors_in_serve_proxy
 
     # Set before Ray starts: every Ray port then listens on 127.0.0.1 only.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     use_openai_errors_in_serve_proxy()  # and Serve's own 429 and 503 come in OpenAI's shape
-    import ray
     from ray import serve as ray_serve
 
     from app.deployment import build_app, served_model_name
@@ -89,8 +109,7 @@ def serve(args: ServeArgs) -> None:
 
     scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from other machines"
     logger.info("binding HTTP to %s:%d (%s); Ray ports listen on 127.0.0.1 only", args.host, args.port, scope)
-    # address="local": always a fresh cluster of our own, never one some other process started
-    ray.init(address="local", include_dashboard=False, num_cpus=_cluster_cpus(args), logging_level=logging.WARNING)
+    own_cluster = connect_to_ray(args, ray_address)
     stop, hurry = threading.Event(), threading.Event()  # the first signal drains, a second one stops at once
 
     def on_signal(*_) -> None:
@@ -100,19 +119,33 @@ def serve(args: ServeArgs) -> None:
         signal.signal(sig, on_signal)
     try:
         coordinator = start_coordinator(APP_NAME)  # before the replicas start: they look it up (app/drain.py)
-        ray_serve.start(http_options={"host": args.host, "port": args.port})
+        # the proxy on the head node only, as configs/serve.yaml has it: worker nodes hold replicas
+        ray_serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
         ray_serve.run(build_app(args), name=APP_NAME, route_prefix="/")
         logger.info("serving %r at http://%s:%d/v1 (Ctrl-C to stop)", served_model_name(args), args.host, args.port)
         stop.wait()
         began = time.monotonic()
         logger.info("draining: new requests get 503, in-flight ones have %.0f s (Ctrl-C again to stop now)",
                     args.shutdown_timeout)
-        pending = drain_application(coordinator, args.shutdown_timeout, hurry)
+        pending = drain_application(coordinator, APP_NAME, args.shutdown_timeout, hurry)
         logger.info("drained in %.1f s%s; shutting down", time.monotonic() - began,
                     f" ({len(pending)} replica(s) did not report)" if pending else "")
     finally:
+        leave_ray(own_cluster)
+
+
+def leave_ray(own_cluster: bool) -> None:
+    """Stop serving: our own cluster goes with everything on it; on a cluster we joined, only our application."""
+    import ray
+    from ray import serve as ray_serve
+
+    if own_cluster:
         ray_serve.shutdown()
-        ray.shutdown()
+    else:
+        ray_serve.delete(APP_NAME)
+    ray.shutdown()
+    if own_cluster and (left := end_leftover_processes()):
+        logger.warning("ended %d process(es) that outlived ray.shutdown(): %s", len(left), left)
 
 
 def _missing_bench_extra() -> str | None:
@@ -139,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     serve_parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=argparse.SUPPRESS,
                               help="the model to serve, as vLLM takes it: the same as --model")
+    serve_parser.add_argument("--ray-address", default=None, metavar="ADDR", help=(
+        "join the running Ray cluster at ADDR (host:port of its GCS, or auto: the one `ray start` left on this "
+        "machine) instead of starting a local one; the application is deleted from it on exit"))
     add_serve_flags(serve_parser)
     make_model = subparsers.add_parser("make-model", help="write a small random-weight model directory",
                                        add_help=False)
@@ -159,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(reason)
     namespace = build_parser().parse_args(argv)
     if namespace.command == "serve":
-        serve(serve_args_from(namespace))
+        serve(serve_args_from(namespace), namespace.ray_address)
         return 0
     handler = getattr(namespace, "func", None)
     if handler is None:

@@ -11,7 +11,7 @@ from pydantic.fields import FieldInfo
 from app.model_defaults import GENERATION_CONFIG_FILE, load_chat_template
 from app.routing.config import RoutingConfig, RoutingMode
 from app.tool_calls.parsers import ToolCallParserName
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 
 SERVE_CPU_BATCHED_TOKENS = 2048
 # Serve's defaults (10 s, 30 s) replace a replica whose engine died about 30 s later: at 1 s the dead replica
@@ -69,6 +69,10 @@ class ServeArgs(BaseModel):
     swap_space: float = engine_field("swap_space", "GiB of CPU memory per rank for swapped-out KV blocks")
     seed: int = engine_field("seed", (
         "accepted as vLLM's --seed; sampling draws per request (a request's own `seed` makes it reproducible)"))
+    speculative_config: dict[str, Any] | None = Field(None, description=(
+        "speculative decoding as JSON with vLLM's keys, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}' (also prompt_lookup_min, "
+        "disable_by_batch_size; default: off)"))
     # what requests that leave things out get (app/model_defaults.py)
     generation_config: str = Field("auto", description=(
         "where requests' default sampling comes from (vLLM's flag): auto, the model directory's "
@@ -132,6 +136,16 @@ class ServeArgs(BaseModel):
         "router queue"))
     cpus_per_rank: float = Field(1.0, gt=0, description=(
         "logical CPUs that Ray reserves per rank (one placement-group bundle each)"))
+    # what a replica asks of a Ray node, with cpus_per_rank: the ingress and the proxies ask for none of it
+    accelerator_resource: str | None = Field(None, description=(
+        "the Ray resource each TP rank's bundle takes besides CPUs: GPU on GPU fleets, or a custom resource "
+        "that only the nodes meant for replicas have (default: GPU where the replicas run on CUDA, else none)"))
+    accelerator_per_rank: float = Field(1.0, gt=0, description=(
+        "how much of --accelerator-resource each TP rank takes"))
+    placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description=(
+            "how Ray places one replica's TP ranks: STRICT_PACK on one node (the ranks talk at every layer); "
+            "PACK, SPREAD and STRICT_SPREAD let them straddle nodes"))
     # routing across replicas (app/routing/): only when there can be more than one replica
     routing: RoutingMode = RoutingConfig.model_fields["mode"]
     # RoutingConfig's own fields (default, bounds, help), flat with a routing_ prefix
@@ -155,6 +169,26 @@ class ServeArgs(BaseModel):
     otlp_traces_endpoint: str | None = Field(None, description=(
         "trace every request: http://host:4318/v1/traces (OTLP/HTTP), grpc://host:4317 (OTLP/gRPC) or "
         "console; OTEL_* variables also apply (default: off)"))
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative_config_from_json(cls, v: Any) -> Any:
+        """vLLM's --speculative-config is JSON text; YAML and Python give a mapping. Errors name the key."""
+        if isinstance(v, str):
+            import json
+
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if v is not None:
+            try:
+                SpeculativeConfig.model_validate(v)
+            except ValidationError as e:
+                error = e.errors()[0]
+                key = ".".join(map(str, ("speculative_config", *error["loc"])))
+                raise ValueError(f"{key}: {error['msg'].removeprefix('Value error, ')}") from None
+        return v
 
     @field_validator("generation_config")
     @classmethod

@@ -32,6 +32,7 @@ from app.errors import RETRY_AFTER_S
 from app.forwarding import ForwardedRequest, answer_forwarded
 from app.model_defaults import default_sampling, use_chat_template
 from app.observability.replica import ReplicaObservability
+from app.replica_device import deployment_wants_gpus, replica_device, replica_ray_actor_env
 from app.routing.request import RoutedRequest
 from app.routing.router import request_router_config
 from app.routing.stats import engine_routing_stats
@@ -88,19 +89,33 @@ def build_replica_app(engine: AsyncLLMEngine, args: ServeArgs, observability: Re
 
 
 def _use_gpu(args: ServeArgs) -> bool:
-    if args.device != "auto":
-        return args.device == "cuda"
-    import torch
+    """Each rank asks Ray for a GPU: decided from the Ray cluster, not this process (app/replica_device.py)."""
+    return deployment_wants_gpus(args)
 
-    return torch.cuda.is_available()
+
+def rank_accelerator(args: ServeArgs) -> dict[str, float]:
+    """The accelerator one TP rank takes: --accelerator-resource, else a GPU where the replicas run on CUDA."""
+    if args.accelerator_resource is not None:
+        return {args.accelerator_resource: args.accelerator_per_rank}
+    return {"GPU": args.accelerator_per_rank} if _use_gpu(args) else {}
 
 
 def placement_group_bundles(args: ServeArgs) -> list[dict[str, float]]:
-    """One bundle per TP rank: {"GPU": 1} each on GPU (plus the rank's CPUs), {"CPU": cpus_per_rank} on CPU."""
-    bundle: dict[str, float] = {"CPU": args.cpus_per_rank}
-    if _use_gpu(args):
-        bundle["GPU"] = 1
+    """One bundle per TP rank: the rank's CPUs and its accelerator ({"GPU": 1} on GPU; none on CPU)."""
+    bundle: dict[str, float] = {"CPU": args.cpus_per_rank, **rank_accelerator(args)}
     return [dict(bundle) for _ in range(args.tensor_parallel_size)]
+
+
+def replica_actor_options(args: ServeArgs) -> dict[str, Any]:
+    """Ray options of the replica process, rank 0: bundle 0's CPUs and accelerator."""
+    options: dict[str, Any] = {"num_cpus": args.cpus_per_rank}
+    accelerator = rank_accelerator(args)
+    if "GPU" in accelerator:
+        options["num_gpus"] = accelerator.pop("GPU")
+        options["runtime_env"] = {"env_vars": replica_ray_actor_env(args)}
+    if accelerator:  # a custom resource
+        options["resources"] = accelerator
+    return options
 
 
 def max_ongoing_requests(args: ServeArgs) -> int:
@@ -125,9 +140,9 @@ def deployment_options(args: ServeArgs) -> dict[str, Any]:
         # Serve's own drain (scale-down, `serve run`): ongoing requests get --shutdown-timeout, as with the CLI
         "graceful_shutdown_timeout_s": args.shutdown_timeout,
         "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
-        "ray_actor_options": {"num_cpus": args.cpus_per_rank, **({"num_gpus": 1} if _use_gpu(args) else {})},
+        "ray_actor_options": replica_actor_options(args),
         "placement_group_bundles": placement_group_bundles(args),
-        "placement_group_strategy": "STRICT_PACK",
+        "placement_group_strategy": args.placement_group_strategy,
         "health_check_period_s": args.health_check_period_s,
         "health_check_timeout_s": args.health_check_timeout_s,
     }
@@ -153,6 +168,8 @@ class LLMServer:
         _configure_logging()
         _keep_replica_grpc_on_loopback()
         self.args = ServeArgs.model_validate(args)
+        # auto is decided here, where the replica runs, from the GPU Ray reserved for it (or not)
+        self.args = self.args.model_copy(update={"device": replica_device(self.args)})
         model_dir = model_path(self.args)
         # open HTTP requests, and graceful shutdown under the CLI (app/drain.py; without its coordinator,
         # `drain` is None)

@@ -10,8 +10,10 @@ cuts every open stream. So the CLI drains the application before it shuts Serve 
   replica's `DrainGate` answers new requests 503 with Retry-After, in-flight requests run on until the
   deadline, the engine then aborts the rest (their streams end with finish_reason "abort" and
   `[DONE]`), and the replica reports that it has drained;
-- the CLI waits for every replica's report (or the deadline plus `ABORT_GRACE_S`), then shuts Serve
-  and Ray down.
+- the CLI waits for every live replica's report (or the deadline plus `ABORT_GRACE_S`), then shuts Serve
+  and Ray down. Live means Serve still lists it: a replica that died (its engine, a TP worker, its node) never
+  reports, and is not waited for. Every call to the cluster is bounded: a cluster that stopped answering (its
+  processes were signalled too) ends the wait at once.
 
 Without a coordinator (`serve run configs/serve.yaml`) replicas skip all of this and Serve's own
 drain applies (`graceful_shutdown_timeout_s`).
@@ -36,6 +38,8 @@ NAMESPACE = "shardserve"
 # after the deadline, how long aborted requests get to write their last chunk before the replica stops waiting
 ABORT_GRACE_S = 5.0
 POLL_S = 0.05
+# the longest the CLI waits on one call to the coordinator or Serve's controller before taking the cluster for gone
+CLUSTER_CALL_TIMEOUT_S = 5.0
 
 
 def coordinator_name(app_name: str) -> str:
@@ -122,9 +126,10 @@ class DrainCoordinator:
     def report_drained(self, replica_id: str) -> None:
         self.drained.add(replica_id)
 
-    def pending(self) -> list[str]:
-        """Replicas that have not drained yet."""
-        return sorted(self.replicas - self.drained)
+    def pending(self, live: list[str] | None = None) -> list[str]:
+        """Replicas that have not drained yet, of those still `live` (all registered ones if None)."""
+        replicas = self.replicas if live is None else self.replicas & set(live)
+        return sorted(replicas - self.drained)
 
 
 def start_coordinator(app_name: str):
@@ -136,17 +141,37 @@ def start_coordinator(app_name: str):
     return actor.remote()
 
 
-def drain_application(coordinator, timeout_s: float, hurry: threading.Event) -> list[str]:
-    """Begin the drain and wait until every replica has drained, or the deadline plus ABORT_GRACE_S, or until
-    `hurry` is set (a second Ctrl-C). Returns the replicas that had not drained."""
+def live_replicas(app_name: str) -> list[str]:
+    """The ids of the application's replicas that Serve's controller still lists (starting, running, stopping)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    details = ray.get(controller.get_serve_instance_details.remote(), timeout=CLUSTER_CALL_TIMEOUT_S)
+    app = (details.get("applications") or {}).get(app_name) or {}
+    return [replica["replica_id"] for deployment in app.get("deployments", {}).values()
+            for replica in deployment.get("replicas", [])]
+
+
+def drain_application(coordinator, app_name: str, timeout_s: float, hurry: threading.Event) -> list[str]:
+    """Begin the drain and wait until every live replica has drained, or the deadline plus ABORT_GRACE_S, or
+    until `hurry` is set (a second Ctrl-C), or the cluster stops answering. Returns the replicas that had not
+    drained."""
     import ray
 
-    ray.get(coordinator.begin.remote(timeout_s))
     give_up = time.monotonic() + timeout_s + ABORT_GRACE_S + 1.0
-    while True:
-        pending = ray.get(coordinator.pending.remote())
-        if not pending or time.monotonic() > give_up or hurry.wait(POLL_S):
-            return pending
+    pending: list[str] = []
+    try:
+        ray.get(coordinator.begin.remote(timeout_s), timeout=CLUSTER_CALL_TIMEOUT_S)
+        while True:
+            live = live_replicas(app_name)
+            pending = ray.get(coordinator.pending.remote(live), timeout=CLUSTER_CALL_TIMEOUT_S)
+            if not pending or time.monotonic() > give_up or hurry.wait(POLL_S):
+                return pending
+    except (ray.exceptions.RayError, ValueError) as gone:  # a timeout is a RayError; ValueError: no such actor
+        logger.warning("drain: the Ray cluster stopped answering (%s); not waiting for replicas",
+                       type(gone).__name__)
+        return pending
 
 
 class ReplicaDrain:

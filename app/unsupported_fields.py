@@ -49,7 +49,7 @@ BOTH = (
     Unsupported("bad_words", _unset_or_empty, "use `logit_bias` instead"),
     Unsupported("truncate_prompt_tokens", _unset, "shorten the prompt instead"),
     Unsupported("include_stop_str_in_output", _unset_or_false, "stop strings are always left out"),
-    Unsupported("spaces_between_special_tokens", _unset_or_true, "it is always on"),
+    Unsupported("spaces_between_special_tokens", _unset_or_true, "text is decoded as the tokenizer joins it"),
     Unsupported("guided_whitespace_pattern", _unset, "use `structured_outputs.disable_any_whitespace`"),
     Unsupported("return_tokens_as_token_ids", _unset_or_false, "tokens are returned as text"),
     Unsupported("prompt_embeds", _unset, "send text or token ids"),

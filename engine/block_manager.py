@@ -137,7 +137,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
+        # a speculating chunk computes proposals past the sequence's tokens: only real tokens are hashed
+        num_full = min(min(num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
         if num_full <= seq.num_registered_blocks:
             return
         hashes = full_block_hashes(seq, self.block_size)
@@ -154,6 +155,13 @@ class BlockManager:
         self._release(seq.block_table)
         seq.block_table = []
         seq.num_registered_blocks = 0
+
+    def trim(self, seq: Sequence) -> None:
+        """Return the blocks past `seq`'s computed tokens: those only its rejected proposals' slots needed."""
+        keep = self.blocks_for(seq.num_computed_tokens)
+        if len(seq.block_table) > keep:
+            self._release(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     def _release(self, block_ids: list[int]) -> None:
         for block_id in reversed(block_ids):  # tail first: a prompt's head outlives its tail

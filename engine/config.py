@@ -45,6 +45,35 @@ class ModelConfig(BaseModel):
     checkpoint_format: Literal["safetensors", "gguf"] = "safetensors"
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (vLLM's `--speculative-config` keys): a proposer guesses the next tokens of a
+    decoding sequence, and one forward pass of the target model verifies them all (engine/spec_decode/)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram", "draft_model"] = "ngram"
+    num_speculative_tokens: int = Field(ge=1, le=16)
+    # n-gram prompt lookup: the longest suffix of n tokens (min <= n <= max) found earlier in the sequence
+    prompt_lookup_min: int = Field(1, ge=1, le=16)
+    prompt_lookup_max: int = Field(3, ge=1, le=16)
+    model: str | None = None  # the draft model's directory (method draft_model)
+    # no speculation in a step with more running sequences than this (the batch is compute-bound there)
+    disable_by_batch_size: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check_method(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+        if self.method == "draft_model":
+            raise ValueError("speculative method draft_model is not implemented yet: use method ngram")
+        if self.model is not None:
+            raise ValueError("speculative_config.model names a draft model, which method ngram does not take")
+        return self
+
+
 class EngineConfig(BaseModel):
     """Everything one engine replica needs to start. Names follow vLLM's engine arguments."""
 
@@ -71,6 +100,7 @@ class EngineConfig(BaseModel):
     # torch threads per rank on CPU; None: the cores this process may run on, shared by the ranks
     cpu_threads: int | None = Field(None, ge=1)
     watermark: float = Field(0.01, ge=0, lt=1)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @field_validator("block_size")
     @classmethod

@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import Detokenizer
@@ -19,8 +20,9 @@ from engine.executor import Executor, make_executor
 from engine.model_runner import prepare_step
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampler import SamplingBatch
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Request
+from engine.scheduler import Scheduler
+from engine.sequence import Request, Sequence
+from engine.spec_decode.verify import SpeculativeRow
 from engine.stopping import StopChecker
 from engine.structured_output.compiler import GrammarCompiler
 from engine.structured_output.grammar import GrammarBitmask, SequenceGrammar, fill_bitmask
@@ -154,14 +156,15 @@ class LLMEngine:
         self.recent_steps.append((self.num_steps, sched.num_batched_tokens))
         sampling = None
         if sched.sampled_seqs:
-            sampling = SamplingBatch(sched.sampled_seqs, self.eos_token_ids, self._fill_grammar_bitmask(sched))
+            rows = sched.sampling_rows  # a speculating sequence has a row per position it verifies
+            sampling = SamplingBatch(rows, self.eos_token_ids, self._fill_grammar_bitmask(rows))
         sampled = self.executor.execute_model(prepare_step(sched, self.config.block_size), sampling) or []
         advanced = scheduler.update_from_output(sched, sampled)
         return self._deltas(dict.fromkeys(seq.request for seq in advanced))
 
-    def _fill_grammar_bitmask(self, sched: SchedulerOutput) -> Future[GrammarBitmask] | None:
+    def _fill_grammar_bitmask(self, rows: list[Sequence | SpeculativeRow]) -> Future[GrammarBitmask] | None:
         """Start filling the constrained rows' bitmask on the filler thread (the forward pass runs meanwhile)."""
-        grammars = [(row, seq.grammar) for row, seq in enumerate(sched.sampled_seqs) if seq.grammar is not None]
+        grammars = [(row, seq.grammar) for row, seq in enumerate(rows) if seq.grammar is not None]
         if not grammars:
             return None
         return self._bitmask_filler.submit(fill_bitmask, grammars, self.model_config.vocab_size)
@@ -222,6 +225,8 @@ class LLMEngine:
             num_preemptions_by_mode=dict(self.scheduler.num_preemptions_by_mode),
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            speculation=replace(self.scheduler.spec_stats, acceptance_length_counts=list(
+                self.scheduler.spec_stats.acceptance_length_counts)) if self.config.speculative_config else None,
         )
 
     def check_health(self) -> None:

@@ -15,8 +15,10 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
+from engine.gpu_memory import GIB, KVCacheMemoryError, check_share_is_free, gpu_memory_for, kv_cache_budget
 from engine.sampler import SampledToken, SamplingBatch, sample
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.warmup import warm_up_attention, warm_up_sampling
 from kernels.backend import get_backend
 from parallel.comm import min_over_ranks
 from parallel.layers import pack_linear_weights
@@ -39,23 +41,31 @@ class StepInput:
     swap_out_ticket: int | None = None
 
     def to(self, device: torch.device) -> StepInput:
+        """This step's tensors on `device`, copied asynchronously (nothing here waits for the device)."""
         if device.type == "cpu":
             return self
         meta = AttentionMetadata(
             **{
-                name: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+                name: _host_to_device(value, device) if isinstance(value, torch.Tensor) else value
                 for name, value in vars(self.meta).items()
             }
         )
         return StepInput(
-            self.input_ids.to(device, non_blocking=True),
-            self.positions.to(device, non_blocking=True),
+            _host_to_device(self.input_ids, device),
+            _host_to_device(self.positions, device),
             meta,
-            self.sample_indices.to(device, non_blocking=True),
+            _host_to_device(self.sample_indices, device),
             self.swap_out,
             self.swap_in,
             self.swap_out_ticket,
         )
+
+
+def _host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor onto a GPU: pinned first (nano-vllm's way), since a non_blocking copy from pageable
+    memory is staged through a driver buffer and the host waits for it. The copy is queued behind the
+    device's work, and torch's pinned-memory cache keeps the buffer until the copy has run."""
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _chunk_arrays(chunks: list[ScheduledChunk], block_size: int):
@@ -71,7 +81,7 @@ def _chunk_arrays(chunks: list[ScheduledChunk], block_size: int):
     for row, chunk in enumerate(chunks):
         seq, start = chunk.seq, chunk.seq.num_computed_tokens
         end = start + chunk.num_tokens
-        token_ids.extend(seq.token_ids[start:end])
+        token_ids.extend(chunk.token_ids)
         table = np.asarray(seq.block_table, dtype=np.int64)
         block_tables[row, : len(table)] = table
         pos = np.arange(start, end, dtype=np.int64)
@@ -96,6 +106,8 @@ def prepare_step(sched: SchedulerOutput, block_size: int) -> StepInput:
         for row, c in enumerate(sched.prefills)
         if c.completes_sequence
     ]
+    if any(c.proposals for c in sched.prefills):
+        sample_indices = _speculative_sample_indices(sched, query_start_loc)
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate([d_slots, p_slots])),
         num_decode_tokens=num_decode,
@@ -116,6 +128,48 @@ def prepare_step(sched: SchedulerOutput, block_size: int) -> StepInput:
         swap_in=sched.swap_in,
         swap_out_ticket=sched.swap_out_ticket,
     )
+
+
+def profile_step(num_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> StepInput:
+    """The largest step the scheduler hands out: `num_tokens` of prefill in sequences of up to max_model_len
+    tokens, with up to max_num_seqs rows sampled. It writes no K/V (slot -1) and every block table points at
+    block 0, so it runs over a one-block cache before the real cache exists."""
+    seq_len = min(num_tokens, max_model_len)
+    lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+    query_start_loc = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(lens, out=query_start_loc[1:])
+    max_blocks = -(-seq_len // block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
+        num_decode_tokens=0,
+        decode_block_tables=torch.zeros((0, 1), dtype=torch.int32),
+        decode_context_lens=torch.zeros(0, dtype=torch.int32),
+        num_prefill_tokens=num_tokens,
+        prefill_max_query_len=seq_len,
+        prefill_block_tables=torch.zeros((len(lens), max_blocks), dtype=torch.int32),
+        prefill_query_start_loc=torch.from_numpy(query_start_loc),
+        prefill_context_lens=torch.tensor(lens, dtype=torch.int32),
+    )
+    positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens])
+    return StepInput(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+        positions=positions,
+        meta=meta,
+        sample_indices=torch.arange(min(max_num_seqs, num_tokens), dtype=torch.int64),
+    )
+
+
+def _speculative_sample_indices(sched: SchedulerOutput, query_start_loc: np.ndarray) -> list[int]:
+    """Sampled rows when some chunks verify proposals: every position of those, the last of the others."""
+    num_decode = len(sched.decodes)
+    indices = [row for row, c in enumerate(sched.decodes) if c.completes_sequence]
+    for row, c in enumerate(sched.prefills):
+        start, end = num_decode + int(query_start_loc[row]), num_decode + int(query_start_loc[row + 1])
+        if c.proposals:
+            indices.extend(range(start, end))  # position j samples the token after proposal j
+        elif c.completes_sequence:
+            indices.append(end - 1)
+    return indices
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype, kv_heads_per_rank: int) -> int:
@@ -144,13 +198,23 @@ class ModelRunner:
         self.cpu_threads = config.resolved_cpu_threads()
         self._threads_set_on: int | None = None  # the OS thread whose torch thread count is set
         self._use_cpu_threads()
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # the rank's own (its executor set it)
         self.dtype = config.torch_dtype(model_config)
         self.backend = get_backend(config.kernel_backend, self.device.type)
+        self.max_model_len = max_model_len or model_config.max_position_embeddings
+        # a GPU's cache is sized from a profile unless its size is given; the card is read before the
+        # weights load, since the profile counts from there
+        sized_by_profile = num_blocks is None and config.num_kv_blocks is None and config.kv_cache_memory_gb is None
+        self._gpu_memory = gpu_memory_for(self.device) if sized_by_profile else None
+        self._profiled = False  # the profile step ran (and compiled its kernels)
+        memory_at_start = self._read_memory_at_start()
         self.model = load_model(
             config.model, model_config, self.dtype, self.device, self.parallel, self.backend
         )
         pack_linear_weights(self.model, self.backend.pack_linear_weight)  # oneDNN's layout on the native CPU path
-        num_blocks = num_blocks or self.profile_num_blocks(max_model_len or model_config.max_position_embeddings)
+        self.model.cover_positions(self.max_model_len)  # a rope-scaled context may pass max_position_embeddings
+        num_blocks = num_blocks or self._size_kv_cache(memory_at_start)
         # block ids are shared by every rank (one block manager): all hold the smallest rank's count
         self.num_blocks = min_over_ranks(num_blocks, self.parallel)
         shape = (2, self.model.kv_heads_per_rank, self.num_blocks, config.block_size, model_config.head_dim)
@@ -165,23 +229,67 @@ class ModelRunner:
             from engine.swap import KVSwapper
 
             self.swapper = KVSwapper(self.kv_caches, self.num_host_blocks, self.device)
+        if self.device.type == "cuda" and self.backend.name == "triton":
+            self.warm_up()
 
-    def profile_num_blocks(self, max_model_len: int) -> int:
-        """How many KV blocks this rank can hold under the configured memory budget."""
+    def _read_memory_at_start(self):
+        """The GPU before this engine's weights (None where the cache is not sized from a profile)."""
+        if self._gpu_memory is None:
+            return None
+        self._gpu_memory.release_cached()  # blocks an earlier engine in this process freed are not in use
+        at_start = self._gpu_memory.read()
+        check_share_is_free(at_start, self.config.gpu_memory_utilization)
+        return at_start
+
+    def _size_kv_cache(self, memory_at_start) -> int:
+        """How many KV blocks this rank holds: num_kv_blocks, else kv_cache_memory_gb, else on a GPU what
+        gpu_memory_utilization leaves after a profiled forward pass, else (CPU) a fixed budget."""
         config = self.config
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype, self.model.kv_heads_per_rank)
         if config.kv_cache_memory_gb is not None:
-            return max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = total * config.gpu_memory_utilization - used - 2**30  # activations headroom
-            return max(1, int(budget) // per_block)
+            return max(1, int(config.kv_cache_memory_gb * GIB) // per_block)
+        if memory_at_start is not None:
+            self._gpu_memory.reset_peak()
+            self.run_profile_step()
+            self._profiled = True
+            budget = kv_cache_budget(memory_at_start, self._gpu_memory.read(), config.gpu_memory_utilization)
+            self._gpu_memory.release_cached()  # the profile's activations go back to the card for the cache
+            if budget.kv_cache < per_block:
+                raise KVCacheMemoryError(
+                    f"no room for the KV cache on rank {self.parallel.rank}: {budget.describe()}; raise "
+                    "gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, or use more ranks"
+                )
+            return budget.kv_cache // per_block
         # CPU: a fixed budget, no more than every sequence at full length would need
-        full = config.max_num_seqs * -(-max_model_len // config.block_size)
-        return max(1, min(int(_CPU_DEFAULT_KV_GB * 2**30) // per_block, full))
+        full = config.max_num_seqs * -(-self.max_model_len // config.block_size)
+        return max(1, min(int(_CPU_DEFAULT_KV_GB * GIB) // per_block, full))
+
+    @torch.inference_mode()
+    def run_profile_step(self) -> None:
+        """One forward pass at the step's token budget over a one-block cache, then the sampler over as many
+        rows as a step samples: the peak the KV sizing leaves room for."""
+        config = self.config
+        step = profile_step(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, config.block_size)
+        shape = (2, self.model.kv_heads_per_rank, 1, config.block_size, self.model_config.head_dim)
+        layers = self.model_config.num_hidden_layers
+        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+        step = step.to(self.device)
+        hidden = self.model(step.input_ids, step.positions, caches, step.meta)
+        logits = self.model.compute_logits(hidden.index_select(0, step.sample_indices))
+        warm_up_sampling(self.backend, logits)
+
+    def warm_up(self) -> None:
+        """Compile every Triton variant a step can need before the first request (engine/warmup.py): the
+        profile step's kernels, paged attention's variants, the sampler and the grammar mask."""
+        if not self._profiled:
+            self.run_profile_step()
+        warm_up_attention(
+            self.backend, self.kv_caches[0], self.model.model.layers[0].self_attn.num_heads, self.max_model_len,
+            self.config.max_num_seqs,
+        )
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def _use_cpu_threads(self) -> None:

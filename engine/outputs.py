@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sequence import RequestMetrics
+from engine.spec_decode.stats import SpeculationStats
 
 
 @dataclass
@@ -67,3 +68,5 @@ class EngineStats:
     num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)  # "recompute" / "swap" -> count
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0  # of those, tokens whose KV was already cached
+    # speculative decoding's counters (proposed, accepted, emitted tokens, acceptance lengths); None when off
+    speculation: SpeculationStats | None = None

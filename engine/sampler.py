@@ -16,6 +16,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.sequence import Sequence
@@ -84,23 +85,42 @@ def sample(
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties. The host sends only the penalised rows' token ids
+    (O(tokens)); the [num_seqs, vocab] counts are built where the logits are."""
     params = [seq.sampling_params for seq in seqs]
-    if all(p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty for p in params):
+    penalised = [
+        row for row, p in enumerate(params)
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+    ]
+    if not penalised:
         return logits
     num_seqs, vocab = logits.shape
-    output_counts = torch.zeros(num_seqs, vocab)
-    seen = torch.zeros(num_seqs, vocab, dtype=torch.bool)  # prompt or output
-    for row, seq in enumerate(seqs):
-        outputs = torch.tensor(seq.output_token_ids, dtype=torch.long)
-        output_counts[row].index_add_(0, outputs, torch.ones(len(outputs)))
-        seen[row, torch.tensor(seq.token_ids, dtype=torch.long)] = True
-    output_counts, seen = output_counts.to(logits.device), seen.to(logits.device)
+    device = logits.device
+    # (row, token) pairs: every output token once per occurrence, every prompt or output token for `seen`
+    output_rows = np.concatenate([np.full(seqs[r].num_output_tokens, r, dtype=np.int64) for r in penalised])
+    output_ids = np.concatenate([np.asarray(seqs[r].output_token_ids, dtype=np.int64) for r in penalised])
+    seen_rows = np.concatenate([np.full(len(seqs[r].token_ids), r, dtype=np.int64) for r in penalised])
+    seen_ids = np.concatenate([np.asarray(seqs[r].token_ids, dtype=np.int64) for r in penalised])
+    output_rows, output_ids, seen_rows, seen_ids = (
+        _to_logits_device(torch.from_numpy(a), device) for a in (output_rows, output_ids, seen_rows, seen_ids)
+    )
+    output_counts = torch.zeros(num_seqs, vocab, device=device)
+    output_counts.index_put_((output_rows, output_ids), torch.ones((), device=device), accumulate=True)
+    seen = torch.zeros(num_seqs, vocab, dtype=torch.bool, device=device)  # prompt or output
+    seen[seen_rows, seen_ids] = True
     repetition = _column([p.repetition_penalty for p in params], logits)
     presence = _column([p.presence_penalty for p in params], logits)
     frequency = _column([p.frequency_penalty for p in params], logits)
-    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalised, logits)
+    penalised_logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised_logits, logits)
     return logits - frequency * output_counts - presence * (output_counts > 0)
+
+
+def _to_logits_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor onto the logits' device, asynchronously on a GPU (pinned first)."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -160,4 +180,4 @@ def _select(logits: torch.Tensor, seqs: list[Sequence], backend: KernelBackend) 
 
 def _column(values: list, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Per-row parameters as a [num_seqs, 1] tensor on the logits' device."""
-    return torch.tensor(values, dtype=dtype, device=like.device)[:, None]
+    return _to_logits_device(torch.tensor(values, dtype=dtype), like.device)[:, None]

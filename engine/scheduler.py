@@ -16,6 +16,11 @@ A step is `schedule()` -> the executor's forward pass and the sampler -> `update
 scheduler owns each sequence's progress, so it advances the computed tokens, appends the sampled ones
 and finishes the sequences that stop (engine/stopping.py). It also owns the KV blocks: it builds the
 block manager, and learns from `swap_outs_done` when a swap-out's device blocks may be reused.
+
+With speculative decoding (engine/spec_decode/), a decoding sequence with k proposed tokens is scheduled
+as a chunk of k+1 tokens (the budget counts them all), every position of it is sampled, and
+`update_from_output` keeps the proposals the target agreed with: the computed tokens and the block table
+roll back past the first rejected one (only real tokens' full blocks are ever hashed for the prefix cache).
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sampler import SampledToken
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.stats import SpeculationStats
+from engine.spec_decode.verify import SpeculativeRow, num_accepted, sampling_rows
 from engine.stopping import StopChecker
 
 logger = logging.getLogger("shardserve.engine")
@@ -37,12 +45,20 @@ logger = logging.getLogger("shardserve.engine")
 @dataclass
 class ScheduledChunk:
     seq: Sequence
-    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens (proposals included)
+    # speculative decoding: tokens proposed after the sequence's last one, computed (and verified) with it
+    proposals: list[int] = field(default_factory=list)
 
     @property
     def completes_sequence(self) -> bool:
         """After this chunk every token is computed, so the last position's logits are sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens + len(self.proposals)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this chunk computes: the sequence's own, then its proposals."""
+        start = self.seq.num_computed_tokens
+        return self.seq.token_ids[start : start + self.num_tokens - len(self.proposals)] + self.proposals
 
 
 @dataclass
@@ -59,6 +75,14 @@ class SchedulerOutput:
     # sequences whose every token is computed after this step, in batch order (decodes, then prefills):
     # each gets one sampled token, from the logits of its chunk's last position
     sampled_seqs: list[Sequence] = field(default_factory=list)
+    # each sampled sequence's proposals (speculative decoding): every position of its chunk is sampled
+    sampled_proposals: list[list[int]] = field(default_factory=list)
+
+    @property
+    def sampling_rows(self) -> list[Sequence | SpeculativeRow]:
+        """What the sampler draws for, in the logits' row order: one row per sampled position."""
+        return [row for seq, proposals in zip(self.sampled_seqs, self.sampled_proposals)
+                for row in (sampling_rows(seq, proposals) if proposals else [seq])]
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -101,6 +125,12 @@ class Scheduler:
         self.prefix_cache_queries = 0  # tokens of admitted sequences looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.num_schedules = 0
+        self.speculative = config.speculative_config
+        self.proposer = None
+        if self.speculative is not None:
+            spec = self.speculative
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.spec_stats = SpeculationStats(self.speculative.num_speculative_tokens if self.speculative else 0)
 
     @property
     def num_preemptions(self) -> int:
@@ -133,11 +163,15 @@ class Scheduler:
         scheduled: list[ScheduledChunk] = []
         pool_short = False
         index = 0
+        proposals = self._propose()
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            spec = proposals.get(seq, [])[: budget - 1]
+            if spec and not manager.allocate_slots(seq, num_tokens + len(spec)):
+                spec = []  # no room for the proposals: decode as usual (and preempt if even that is short)
             deferred = False
-            while not manager.allocate_slots(seq, num_tokens):
+            while not spec and not manager.allocate_slots(seq, num_tokens):
                 pool_short = True
                 if manager.num_new_blocks(seq, num_tokens) <= manager.num_free_blocks + manager.num_releasing_blocks:
                     deferred = True  # swap-outs in flight will free enough: wait for them, preempt no one
@@ -151,8 +185,8 @@ class Scheduler:
             index += 1
             if deferred:
                 continue
-            scheduled.append(ScheduledChunk(seq, num_tokens))
-            budget -= num_tokens
+            scheduled.append(ScheduledChunk(seq, num_tokens + len(spec), spec))
+            budget -= num_tokens + len(spec)
 
         while self.swapped and budget > 0 and not pool_short and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
@@ -203,34 +237,91 @@ class Scheduler:
             else:
                 out.prefills.append(chunk)
         for chunk in out.prefills:
-            chunk.seq.request.metrics.prefill_chunks.append((now, chunk.num_tokens, bool(out.decodes)))
-        out.sampled_seqs = [chunk.seq for chunk in out.chunks if chunk.completes_sequence]
+            if not chunk.proposals:
+                chunk.seq.request.metrics.prefill_chunks.append((now, chunk.num_tokens, bool(out.decodes)))
+        sampled = [chunk for chunk in out.chunks if chunk.completes_sequence]
+        out.sampled_seqs = [chunk.seq for chunk in sampled]
+        out.sampled_proposals = [chunk.proposals for chunk in sampled]
         return out
+
+    def _propose(self) -> dict[Sequence, list[int]]:
+        """Proposed tokens for the running sequences that decode this step (none above disable_by_batch_size,
+        none under a grammar), never more than their max_tokens or the context can still take."""
+        spec = self.speculative
+        if self.proposer is None or (
+            spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size
+        ):
+            return {}
+        max_model_len = self.stop_checker.max_model_len
+        seqs, limits = [], []
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.num_output_tokens or seq.grammar is not None:
+                continue
+            # every accepted proposal is one more output token, and the target adds one of its own
+            limit = min(seq.sampling_params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
+            if limit > 0:
+                seqs.append(seq)
+                limits.append(limit)
+        if not seqs:
+            return {}
+        return {seq: p for seq, p in zip(seqs, self.proposer.propose(seqs, limits)) if p}
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[Sequence]:
         """After the step ran: advance every chunk's computed tokens, append each sampled token to its
         sequence (`sampled` follows `out.sampled_seqs`) and finish those that stop. Returns the sequences
-        that got a token."""
-        if len(sampled) != len(out.sampled_seqs):
-            raise ValueError(f"{len(sampled)} sampled tokens for {len(out.sampled_seqs)} sequences")
+        that got a token. A speculating sequence's tokens follow its rows (`out.sampling_rows`)."""
+        num_rows = sum(1 + len(proposals) for proposals in out.sampled_proposals)
+        if len(sampled) != num_rows:
+            raise ValueError(f"{len(sampled)} sampled tokens for {num_rows} sampled rows")
         for chunk in out.chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
+            if not chunk.proposals:  # a speculating chunk's computed tokens are what verification keeps
+                chunk.seq.num_computed_tokens += chunk.num_tokens
         now = time.time()
-        for seq, token in zip(out.sampled_seqs, sampled):
-            seq.append_token(token.token_id, token.logprobs)
-            if seq.request.metrics.first_token_time is None:
-                seq.request.metrics.first_token_time = now
-            stop = self.stop_checker.check(seq, token.token_id)
-            if seq.grammar is not None:
-                if not seq.grammar.accept(token.token_id):
-                    # the mask let only allowed tokens through: this is a bug, so end this sequence, not the engine
-                    logger.error("the grammar of %r refused token %d that its mask allowed", seq, token.token_id)
-                    stop = ("abort", None)
-                elif stop is None and seq.grammar.is_terminated:
-                    stop = ("stop", None)
-            if stop is not None:
-                self.finish(seq, *stop)
-        return out.sampled_seqs
+        row = 0
+        advanced = []
+        for seq, proposals in zip(out.sampled_seqs, out.sampled_proposals):
+            tokens = sampled[row : row + 1 + len(proposals)]
+            row += 1 + len(proposals)
+            if not proposals:
+                self._append(seq, tokens[0], now)
+            elif seq.is_finished:
+                continue  # aborted while its verification ran: its blocks are already back in the pool
+            else:
+                self._accept_proposals(seq, proposals, tokens, now)
+            advanced.append(seq)
+        return advanced
+
+    def _accept_proposals(self, seq: Sequence, proposals: list[int], tokens: list[SampledToken], now: float) -> None:
+        """Keep the proposals the target chose too, then the target's next token (engine/spec_decode/verify.py);
+        roll the computed tokens and the block table back past the first rejected proposal."""
+        accepted = num_accepted(proposals, [token.token_id for token in tokens])
+        seq.num_computed_tokens += 1 + accepted  # the last token and the accepted proposals have their K/V
+        emitted = 0
+        for token in tokens[: accepted + 1]:
+            emitted += 1
+            if self._append(seq, token, now):
+                break  # a stop inside the accepted run: what follows is dropped
+        if not seq.is_finished:
+            self.block_manager.trim(seq)
+        self.spec_stats.record(len(proposals), accepted, emitted)
+
+    def _append(self, seq: Sequence, token: SampledToken, now: float) -> bool:
+        """Append one sampled token to `seq` and finish it if that token stops it; True if it finished."""
+        seq.append_token(token.token_id, token.logprobs)
+        if seq.request.metrics.first_token_time is None:
+            seq.request.metrics.first_token_time = now
+        stop = self.stop_checker.check(seq, token.token_id)
+        if seq.grammar is not None:
+            if not seq.grammar.accept(token.token_id):
+                # the mask let only allowed tokens through: this is a bug, so end this sequence, not the engine
+                logger.error("the grammar of %r refused token %d that its mask allowed", seq, token.token_id)
+                stop = ("abort", None)
+            elif stop is None and seq.grammar.is_terminated:
+                stop = ("stop", None)
+        if stop is None:
+            return False
+        self.finish(seq, *stop)
+        return True
 
     def _admit(self, seq: Sequence, now: float) -> None:
         metrics = seq.request.metrics

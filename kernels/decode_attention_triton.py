@@ -19,6 +19,7 @@ import triton.language as tl
 from kernels.triton_launch import dot_precision, is_interpreter, multiprocessor_count
 
 LOG2E = 1.4426950408889634
+PARTITION_SIZE = 512  # split-K's context tokens per program, before rounding to BLOCK_N
 
 
 @triton.jit
@@ -166,6 +167,22 @@ def choose_num_splits(
     return max(1, min(triton.cdiv(max_context_len, partition_size), triton.cdiv(target, programs)))
 
 
+def tokens_per_iteration(device) -> int:
+    """BLOCK_N: cached tokens each program reads per loop iteration (smaller under the interpreter)."""
+    return 32 if is_interpreter(device) else 64
+
+
+def context_partitions(
+    num_seqs: int, num_kv_heads: int, max_context_len: int, device, num_splits: int | None = None
+) -> tuple[int, int]:
+    """(num_splits, partition_size) of a decode launch: host integers only, so the launch needs no sync."""
+    block_n = tokens_per_iteration(device)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, PARTITION_SIZE, device)
+    partition_size = triton.cdiv(triton.cdiv(max_context_len, num_splits), block_n) * block_n
+    return triton.cdiv(max_context_len, partition_size), partition_size
+
+
 def paged_decode_attention_triton(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_kv_heads, num_blocks, block_size, head_dim]
@@ -187,13 +204,12 @@ def paged_decode_attention_triton(
         query = query.contiguous()
     assert kv_cache.stride(-1) == 1, "the KV cache's head_dim must be contiguous"
     interpreter = is_interpreter(query.device)
-    block_n = 32 if interpreter else 64
+    block_n = tokens_per_iteration(query.device)
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, 512, query.device)
-    partition_size = triton.cdiv(triton.cdiv(max_context_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_context_len, partition_size)
+    num_splits, partition_size = context_partitions(
+        num_seqs, num_kv_heads, max_context_len, query.device, num_splits
+    )
     split = num_splits > 1
 
     key_cache, value_cache = kv_cache[0], kv_cache[1]

@@ -44,6 +44,7 @@ def _rotary_kernel(
     key_ptr,
     positions_ptr,  # [num_tokens] int64
     cos_sin_ptr,  # [max_position, head_dim] float32 (cos || sin)
+    num_positions,  # max_position: the table's rows
     stride_cos_sin,
     stride_q_token,
     stride_q_head,
@@ -62,10 +63,14 @@ def _rotary_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
+    # a position past the table reads no memory beyond it (its q and k come out zero): the model's table
+    # covers max_model_len (CausalLM.cover_positions), and the torch reference raises on such a position
     c = tl.arange(0, BLOCK_HALF)[None, :]
+    at = c * 0 + position  # [1, BLOCK_HALF]: the position broadcast, so the mask is a tensor like the load's
+    mask = (c < HALF) & (at >= 0) & (at < num_positions)
     row = cos_sin_ptr + position * stride_cos_sin
-    cos = tl.load(row + c, mask=c < HALF, other=0.0)  # [1, BLOCK_HALF]
-    sin = tl.load(row + HALF + c, mask=c < HALF, other=0.0)
+    cos = tl.load(row + c, mask=mask, other=0.0)  # [1, BLOCK_HALF]
+    sin = tl.load(row + HALF + c, mask=mask, other=0.0)
     _rotate_heads(
         query_out_ptr, query_ptr, token, cos, sin,
         stride_q_token, stride_q_head, stride_qo_token, stride_qo_head,
@@ -102,6 +107,7 @@ def rotary_embedding_triton(
             key,
             positions,
             cos_sin_cache,
+            cos_sin_cache.shape[0],
             cos_sin_cache.stride(0),
             query.stride(0),
             query.stride(1),

@@ -81,6 +81,13 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_looping_dir(tmp_path_factory) -> Path:
+    """The tiny Llama at initializer_range 0.03: greedy outputs run a dozen diverse tokens, then fall into
+    loops of 2 to 5 tokens, so n-gram speculation's proposals get accepted (and rejected where a loop ends)."""
+    return make_model("llama", "tiny", tmp_path_factory.mktemp("tiny-llama-looping"), initializer_range=0.03)
+
+
+@pytest.fixture(scope="session")
 def serve_cluster():
     """Local Ray (every port on loopback) and Serve's HTTP proxy on a free 127.0.0.1 port, once per session:
     tests/app and tests/reliability share it (a second `ray.init` in one process would fail)."""

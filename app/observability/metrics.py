@@ -34,13 +34,17 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
+# speculative decoding, when it is on (vLLM's names): verifications, proposed, accepted and emitted tokens
+SPEC_DECODE_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                        "spec_decode_num_emitted_tokens")
+
 # Every metric name this module exports (the Grafana dashboard's test checks its queries against these).
 GAUGES = ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc")
 COUNTERS = ("num_preemptions", "prompt_tokens", "generation_tokens", "request_success", "prefix_cache_queries",
-            "prefix_cache_hits")
+            "prefix_cache_hits", *SPEC_DECODE_COUNTERS)
 HISTOGRAMS = ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-              "iteration_tokens_total")
+              "iteration_tokens_total", "spec_decode_acceptance_length")
 
 
 def exported_series_names() -> set[str]:
@@ -80,8 +84,30 @@ class EngineCollector(Collector):
                             getattr(stats, "prefix_cache_queries", 0))
         yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                             getattr(stats, "prefix_cache_hits", 0))
+        if getattr(stats, "speculation", None) is not None:
+            yield from self._speculation(stats.speculation)
         with self._lock:
             yield self._iteration_tokens()
+
+    def _speculation(self, spec) -> Iterator:
+        """Speculative decoding's counters, and how many proposals each verification accepted (0..k)."""
+        yield self._counter("spec_decode_num_drafts", "Sequence-steps that verified proposed tokens.",
+                            spec.num_verifications)
+        yield self._counter("spec_decode_num_draft_tokens", "Proposed tokens.", spec.num_proposed_tokens)
+        yield self._counter("spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.",
+                            spec.num_accepted_tokens)
+        yield self._counter("spec_decode_num_emitted_tokens", "Tokens emitted by verifying steps.",
+                            spec.num_emitted_tokens)
+        cumulative, buckets = 0, []
+        for length, count in enumerate(spec.acceptance_length_counts):
+            cumulative += count
+            buckets.append((str(length), cumulative))
+        buckets.append(("+Inf", cumulative))
+        total = sum(length * count for length, count in enumerate(spec.acceptance_length_counts))
+        family = HistogramMetricFamily(PREFIX + "spec_decode_acceptance_length",
+                                       "Proposals accepted per verification.", labels=LABELS)
+        family.add_metric(self.labels, buckets, sum_value=total)
+        yield family
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)

@@ -18,6 +18,7 @@ import traceback
 from dataclasses import dataclass
 
 import ray
+import torch
 from ray.util.placement_group import (
     PlacementGroup,
     get_current_placement_group,
@@ -29,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import EngineError
 from engine.executor.base import RankMemory, measure_memory
+from engine.executor.gpu_devices import GPU_RANK_ENV, RankPlace, this_process, use_reserved_gpu
 from engine.model_runner import ModelRunner
 from parallel.comm import broadcast_object
 from parallel.state import RENDEZVOUS_TIMEOUT, ParallelContext, connect_store, init_parallel_context
@@ -39,6 +41,8 @@ logger = logging.getLogger("shardserve.executor")
 SHUTDOWN_TIMEOUT_S = 10.0
 # Offline on CPU, the engine's own placement group reserves this much (logical) CPU per rank.
 CPU_PER_RANK = 0.5
+# Offline, bundle 0 asks for a sliver of the driver's node resource, so the group lands on rank 0's node.
+NODE_AFFINITY = 0.001
 
 
 class WorkerStartError(EngineError):
@@ -61,6 +65,7 @@ class TensorParallelWorker:
         model_config: ModelConfig,
         rank: int,
         world_size: int,
+        store_host: str,
         store_port: int,
         max_model_len: int,
     ):
@@ -68,16 +73,27 @@ class TensorParallelWorker:
         self.model_config = model_config
         self.rank = rank
         self.world_size = world_size
-        self.store = connect_store(store_port, world_size)
+        self.store = connect_store(store_host, store_port, world_size)
         self.max_model_len = max_model_len
         self.runner: ModelRunner | None = None
+
+    def place(self) -> RankPlace:
+        """Where Ray put this rank: its node's address, its reserved GPU and what its process sees."""
+        return this_process(self.rank)
 
     def run(self) -> None:
         """Join the groups, load this rank's shard, then run every step rank 0 broadcasts until None."""
         try:
             device_type = self.config.resolved_device().type
+            place = self.place()
+            device = None
+            if device_type == "cuda":
+                use_reserved_gpu(place)
+                device = torch.device("cuda", torch.cuda.current_device())
             self.store.set(joined_key(self.rank), "1")
-            parallel = init_parallel_context(self.store, self.rank, self.world_size, device_type)
+            parallel = init_parallel_context(
+                self.store, self.rank, self.world_size, device_type, host=place.node_ip, device=device
+            )
             self.runner = ModelRunner(
                 self.config, self.model_config, parallel=parallel, max_model_len=self.max_model_len
             )
@@ -105,9 +121,6 @@ class TensorParallelWorker:
     def memory(self) -> RankMemory | None:
         return None if self.runner is None else measure_memory(self.runner)
 
-    def gpu_ids(self) -> list[int]:
-        return [int(i) for i in ray.get_gpu_ids()]
-
 def ensure_ray(world_size: int) -> None:
     """Connect to Ray if this process is not: the cluster RAY_ADDRESS names, else a new local one
     of this process's own (never an unrelated `ray start` cluster that happens to run here)."""
@@ -131,9 +144,13 @@ class WorkerPlacement:
 
     placement_group: PlacementGroup
     owned: bool  # made by this engine (offline LLM): removed on shutdown
+    # offline on GPU: an actor in bundle 0 that holds rank 0's GPU for the driver, which runs rank 0
+    rank0_holder: object | None = None
 
     @classmethod
-    def acquire(cls, world_size: int, device_type: str) -> WorkerPlacement:
+    def acquire(cls, world_size: int, device_type: str, node_ip: str = "127.0.0.1") -> WorkerPlacement:
+        """The replica's own group inside Serve; offline, a new STRICT_PACK group whose bundle 0 sits on
+        `node_ip`, the driver's node (rank 0 runs in the driver, on bundle 0's GPU)."""
         current = get_current_placement_group()
         if current is not None:  # inside a Serve replica: never nest a group
             if current.bundle_count < world_size:
@@ -151,7 +168,9 @@ class WorkerPlacement:
                 f"tensor_parallel_size {world_size} needs {world_size} x {bundle} on one Ray node; the cluster has "
                 f"{ray.cluster_resources().get(resource, 0):g} {resource} in all"
             )
-        group = placement_group([dict(bundle) for _ in range(world_size)], strategy="STRICT_PACK")
+        bundles = [dict(bundle) for _ in range(world_size)]
+        bundles[0][f"node:{node_ip}"] = NODE_AFFINITY
+        group = placement_group(bundles, strategy="STRICT_PACK")
         try:
             ray.get(group.ready(), timeout=RENDEZVOUS_TIMEOUT.total_seconds())
         except ray.exceptions.GetTimeoutError:
@@ -163,9 +182,10 @@ class WorkerPlacement:
         return cls(group, owned=True)
 
     def actor_options(self, rank: int) -> dict:
-        """Ray options putting `rank`'s actor into bundle `rank`, taking that bundle's resources."""
+        """Ray options putting `rank`'s actor into bundle `rank`, taking that bundle's CPUs and GPU; a GPU
+        rank sees its node's GPUs (engine/executor/gpu_devices.py)."""
         bundle = self.placement_group.bundle_specs[rank]
-        return dict(
+        options = dict(
             num_cpus=bundle.get("CPU", 0),
             num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -174,10 +194,35 @@ class WorkerPlacement:
                 placement_group_capture_child_tasks=True,
             ),
         )
+        if bundle.get("GPU", 0):
+            options["runtime_env"] = {"env_vars": dict(GPU_RANK_ENV)}
+        return options
+
+    def rank0_place(self) -> RankPlace:
+        """Rank 0's place: this process, on bundle 0's GPU. Inside Serve the replica is bundle 0's actor and
+        holds that GPU itself; offline the driver is outside the group, so an actor takes bundle 0's GPU
+        for it and reports which one Ray reserved."""
+        if self.owned and self.placement_group.bundle_specs[0].get("GPU", 0):
+            if self.rank0_holder is None:
+                self.rank0_holder = Rank0Reservation.options(**self.actor_options(0)).remote()
+            gpu_ids = ray.get(self.rank0_holder.gpu_ids.remote(), timeout=RENDEZVOUS_TIMEOUT.total_seconds())
+            return this_process(0, gpu_ids=tuple(gpu_ids))
+        return this_process(0)
 
     def release(self) -> None:
+        if self.rank0_holder is not None:
+            ray.kill(self.rank0_holder)
+            self.rank0_holder = None
         if self.owned:
             remove_placement_group(self.placement_group)
+
+
+@ray.remote(num_cpus=0)
+class Rank0Reservation:
+    """Holds bundle 0's GPU for an offline engine's rank 0 (the driver, which Ray gives no resources)."""
+
+    def gpu_ids(self) -> list[str]:
+        return [str(gpu) for gpu in ray.get_gpu_ids()]
 
 class StartedRanks:
     """What a tensor-parallel executor started besides its own shard: ranks 1..tp-1, their placement,

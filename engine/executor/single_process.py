@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import EngineDeadError
 from engine.executor.base import RankMemory, measure_memory
+from engine.executor.gpu_devices import this_process, use_reserved_gpu
 from engine.model_runner import ModelRunner, StepInput
 from engine.sampler import SampledToken, SamplingBatch
 
@@ -13,6 +14,8 @@ class SingleProcessExecutor:
     """Rank 0 alone: a failed step raises out of `execute_model`, so there is no worker to watch."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        if config.resolved_device().type == "cuda":
+            use_reserved_gpu(this_process(0))  # a Serve replica's GPU, which Ray reserved; else the current one
         self.runner: ModelRunner | None = ModelRunner(config, model_config, max_model_len=max_model_len)
         self.num_blocks = self.runner.num_blocks
         self.num_host_blocks = self.runner.num_host_blocks

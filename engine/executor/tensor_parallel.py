@@ -33,6 +33,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import EngineDeadError, EngineError
 from engine.executor.base import RankMemory, measure_memory
+from engine.executor.gpu_devices import RankPlace, check_distinct_gpus, rendezvous_host, use_reserved_gpu
 from engine.executor.ray_ranks import (
     StartedRanks,
     TensorParallelWorker,
@@ -57,24 +58,38 @@ class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
         self.world_size = config.tensor_parallel_size
         device_type = config.resolved_device().type
+        config = config.model_copy(update={"device": device_type})  # every rank runs where rank 0 decided
         ensure_ray(self.world_size)
-        self._store = create_store(self.world_size)
+        self._store = None
         self._ranks = StartedRanks()
         self._release = weakref.finalize(self, self._ranks.release)  # shutdown, garbage collection or exit
         self._dead: str | None = None
         self.runner: ModelRunner | None = None
+        self.places: list[RankPlace] = []  # every rank's node, GPU and device index, rank 0 first
         try:
-            placement = self._ranks.placement = WorkerPlacement.acquire(self.world_size, device_type)
+            placement = self._ranks.placement = WorkerPlacement.acquire(
+                self.world_size, device_type, ray.util.get_node_ip_address()
+            )
+            rank0 = placement.rank0_place()
+            self._store = create_store(self.world_size, host=rank0.node_ip)
             for rank in range(1, self.world_size):
                 worker = TensorParallelWorker.options(**placement.actor_options(rank)).remote(
-                    config, model_config, rank, self.world_size, self._store.port, max_model_len
+                    config, model_config, rank, self.world_size, rank0.node_ip, self._store.port, max_model_len
                 )
                 self._ranks.workers.append(worker)
+            timeout = RENDEZVOUS_TIMEOUT.total_seconds()
+            self.places = [rank0, *ray.get([w.place.remote() for w in self._ranks.workers], timeout=timeout)]
+            rendezvous_host(self.places)
+            check_distinct_gpus(self.places)
             self._ranks.loops = [worker.run.remote() for worker in self._ranks.workers]
             self._wait_for_workers_to_join()
-            if device_type == "cuda" and placement.owned:
-                self._use_gpu_no_worker_has()
-            parallel = init_parallel_context(self._store, 0, self.world_size, device_type)
+            device = None
+            if device_type == "cuda":
+                use_reserved_gpu(rank0)
+                device = torch.device("cuda", torch.cuda.current_device())
+            parallel = init_parallel_context(
+                self._store, 0, self.world_size, device_type, host=rank0.node_ip, device=device
+            )
             self.runner = ModelRunner(config, model_config, parallel=parallel, max_model_len=max_model_len)
             self._ranks.parallel = parallel
         except BaseException as exc:
@@ -165,14 +180,6 @@ class TensorParallelExecutor:
                     f"tensor-parallel rank(s) {sorted(pending)} did not start within "
                     f"{RENDEZVOUS_TIMEOUT.total_seconds():.0f} s"
                 )
-
-    def _use_gpu_no_worker_has(self) -> None:
-        """Offline on a multi-GPU node rank 0 is the driver, outside the group: take a GPU no worker got."""
-        taken = {gpu for ids in ray.get([w.gpu_ids.remote() for w in self._ranks.workers]) for gpu in ids}
-        free = [index for index in range(torch.cuda.device_count()) if index not in taken]
-        if not free:
-            raise WorkerStartError(f"no GPU left for rank 0: the workers hold {sorted(taken)}")
-        torch.cuda.set_device(free[0])
 
     def _worker_failure(self) -> BaseException | str | None:
         """What happened to the first worker that failed: its reported exception, or Ray's account."""

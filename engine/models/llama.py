@@ -234,7 +234,16 @@ class CausalLM(nn.Module):
                 config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
             ),
             persistent=False,
-        )  # [max_position_embeddings, head_dim]
+        )  # [max_position_embeddings, head_dim]; cover_positions may grow it
+
+    def cover_positions(self, max_model_len: int) -> None:
+        """Grow the rotary table to max_model_len rows where a rope-scaled context passes
+        max_position_embeddings (a position past the table would index outside it)."""
+        config = self.config
+        if self.cos_sin_cache.shape[0] < max_model_len:
+            self.cos_sin_cache = rope_cos_sin_cache(
+                config.head_dim, max_model_len, config.rope_theta, config.rope_scaling
+            ).to(self.cos_sin_cache.device)
 
     @property
     def kv_heads_per_rank(self) -> int:

@@ -106,6 +106,21 @@ def test_generation_routes_publish_their_body_responses_and_every_error(publishe
     assert operation["security"] == [{"bearerAuth": []}]
 
 
+def test_the_schema_publishes_the_constraint_and_tool_fields(published):
+    schemas = published["components"]["schemas"]
+    constraints = {"logit_bias", "response_format", "structured_outputs", "guided_json", "guided_regex",
+                   "guided_choice", "guided_grammar"}
+    assert constraints <= set(schemas["CompletionRequest"]["properties"])
+    assert constraints | {"tools", "tool_choice", "parallel_tool_calls"} <= set(
+        schemas["ChatCompletionRequest"]["properties"])
+    assert {"tool_calls", "tool_call_id"} <= set(schemas["ChatMessage"]["properties"])
+    assert "tool_calls" in schemas["AssistantMessage"]["properties"]
+    assert "tool_calls" in schemas["DeltaMessage"]["properties"]
+    assert schemas["StructuredOutputsRequest"]["additionalProperties"] is False  # an unknown key is a 400
+    examples = published["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert {"tool_call", "json_schema"} <= set(examples["examples"])  # sent by the contract run's examples phase
+
+
 def test_no_route_publishes_a_422_and_every_reference_resolves(published):
     statuses = {s for item in published["paths"].values() for op in item.values() for s in op["responses"]}
     assert "422" not in statuses  # a body that does not validate is a 400, as at OpenAI

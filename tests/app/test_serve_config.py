@@ -82,6 +82,19 @@ def test_each_replica_asks_for_one_strict_pack_bundle_per_tp_rank():
     assert options["ray_actor_options"] == {"num_cpus": 0.5}  # the replica itself lives in bundle 0
 
 
+def test_what_a_replica_asks_of_a_node_is_one_setting():
+    # a custom resource that only the nodes meant for replicas have, as a GPU would be
+    args = ServeArgs(tensor_parallel_size=2, cpus_per_rank=0.5, device="cpu", accelerator_resource="accel",
+                     accelerator_per_rank=0.5, placement_group_strategy="PACK")
+    options = deployment_options(args)
+    assert options["placement_group_bundles"] == [{"CPU": 0.5, "accel": 0.5}] * 2
+    assert options["placement_group_strategy"] == "PACK"
+    assert options["ray_actor_options"] == {"num_cpus": 0.5, "resources": {"accel": 0.5}}
+    # the ingress asks for CPUs only: it runs on any node, the head included
+    ingress = build_app(args.model_copy(update={"max_replicas": 2}))
+    assert set(ingress._bound_deployment.ray_actor_options) == {"num_cpus", "runtime_env"}
+
+
 def test_max_ongoing_requests_follows_the_engine_batch():
     assert max_ongoing_requests(ServeArgs(max_num_seqs=64)) == 72
     assert max_ongoing_requests(ServeArgs(max_num_seqs=2)) == 4

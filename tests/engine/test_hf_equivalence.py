@@ -151,3 +151,120 @@ def test_greedy_requests_among_sampled_ones_still_match_transformers(tiny_llama_
     llm = LLM(model=str(tiny_llama_dir), dtype="float32")
     outputs = llm.generate(prompts + random_prompts([20, 33], seed=32), [greedy()] * 3 + [sampled] * 2)
     assert [o.outputs[0].token_ids for o in outputs[:3]] == expected
+
+
+# ---- speculative decoding (engine/spec_decode/): n-gram proposals verified in one forward pass ----------------
+
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def looping_prompts():
+    """Prompts for the looping model, one of which repeats itself (its continuation may be found in it)."""
+    prompts = random_prompts([10, 40, 25, 7, 60], seed=59)
+    return prompts + [prompts[0] * 3]
+
+
+def looping_oracle(hf_greedy, model_dir, prompts, max_new=SPEC_NEW):
+    expected = hf_greedy(model_dir, prompts, max_new, ignore_eos=True)
+    for tokens in expected:
+        assert len(set(tokens)) >= 6, f"oracle output is degenerate: {tokens}"
+    return expected
+
+
+def speculative_llm(model_dir, **engine_args) -> LLM:
+    return LLM(model=str(model_dir), dtype="float32", speculative_config=SPECULATIVE, **engine_args)
+
+
+def assert_proposals_accepted_and_rejected(llm):
+    """Both paths ran (some proposals kept, some rolled back), and every block came back."""
+    spec = llm.engine.stats().speculation
+    assert 0 < spec.num_accepted_tokens < spec.num_proposed_tokens, spec
+    llm.engine.scheduler.block_manager.check_all_free()
+
+
+def test_speculative_greedy_alone_equals_transformers(tiny_llama_looping_dir, hf_greedy, looping_prompts):
+    expected = looping_oracle(hf_greedy, tiny_llama_looping_dir, looping_prompts)
+    llm = speculative_llm(tiny_llama_looping_dir)
+    for prompt, tokens in zip(looping_prompts, expected):
+        assert llm.generate([prompt], greedy(SPEC_NEW))[0].outputs[0].token_ids == tokens
+    assert_proposals_accepted_and_rejected(llm)
+
+
+def test_speculative_greedy_batched_equals_transformers(tiny_llama_looping_dir, hf_greedy, looping_prompts):
+    expected = looping_oracle(hf_greedy, tiny_llama_looping_dir, looping_prompts)
+    llm = speculative_llm(tiny_llama_looping_dir)
+    got = [o.outputs[0].token_ids for o in llm.generate(looping_prompts, greedy(SPEC_NEW))]
+    assert got == expected
+    assert_proposals_accepted_and_rejected(llm)
+
+
+def test_speculative_chunks_share_the_token_budget_with_prefill_chunks(tiny_llama_looping_dir, hf_greedy,
+                                                                       looping_prompts):
+    expected = looping_oracle(hf_greedy, tiny_llama_looping_dir, looping_prompts)
+    llm = speculative_llm(tiny_llama_looping_dir, max_num_batched_tokens=16)
+    got = [o.outputs[0].token_ids for o in llm.generate(looping_prompts, greedy(SPEC_NEW))]
+    assert got == expected
+    assert llm.engine.num_mixed_steps > 0, "no step mixed a prefill chunk with decodes"
+    assert_proposals_accepted_and_rejected(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_speculative_greedy_under_preemption_equals_transformers(tiny_llama_looping_dir, hf_greedy,
+                                                                 looping_prompts, mode):
+    expected = looping_oracle(hf_greedy, tiny_llama_looping_dir, looping_prompts)
+    # 16 blocks of 16 tokens = 256 slots for ~200 prompt tokens + 6 × 40 outputs
+    llm = speculative_llm(tiny_llama_looping_dir, num_kv_blocks=16, max_model_len=256, preemption_mode=mode,
+                          swap_space=64 * 32768 / 2**30)
+    got = [o.outputs[0].token_ids for o in llm.generate(looping_prompts, greedy(SPEC_NEW))]
+    assert llm.engine.scheduler.num_preemptions_by_mode[mode] > 0, f"nothing was preempted by {mode}"
+    assert got == expected
+    assert_proposals_accepted_and_rejected(llm)
+
+
+def test_speculative_greedy_over_prefix_cache_hits_equals_transformers(tiny_llama_looping_dir, hf_greedy,
+                                                                        looping_prompts):
+    """A second round of the same prompts starts from the blocks the first cached (with their outputs')."""
+    expected = looping_oracle(hf_greedy, tiny_llama_looping_dir, looping_prompts)
+    llm = speculative_llm(tiny_llama_looping_dir, block_size=8)
+    for _ in range(2):
+        got = [o.outputs[0].token_ids for o in llm.generate(looping_prompts, greedy(SPEC_NEW))]
+        assert got == expected
+    assert llm.engine.scheduler.prefix_cache_hits > 0
+    assert_proposals_accepted_and_rejected(llm)
+    llm.engine.scheduler.block_manager.check_invariants()
+
+
+def test_speculative_max_tokens_landing_inside_an_accepted_run_cuts_there(tiny_llama_looping_dir, hf_greedy,
+                                                                          looping_prompts):
+    prompt = looping_prompts[1]
+    [expected] = looping_oracle(hf_greedy, tiny_llama_looping_dir, [prompt])
+    llm = speculative_llm(tiny_llama_looping_dir)
+    limits = list(range(1, SPEC_NEW + 1))
+    outputs = llm.generate([prompt] * len(limits), [greedy(max_tokens=m) for m in limits])
+    for limit, output in zip(limits, outputs):
+        assert output.outputs[0].token_ids == expected[:limit]
+        assert output.outputs[0].finish_reason == "length"
+    assert_proposals_accepted_and_rejected(llm)
+
+
+def test_speculative_stop_strings_end_where_they_do_without_speculation(tiny_llama_looping_dir, looping_prompts):
+    """The stop string is text from the looping part of the output, so it lands inside accepted runs."""
+    plain = LLM(model=str(tiny_llama_looping_dir), dtype="float32")
+    tokenizer = plain.get_tokenizer()
+    stops = []
+    for output in plain.generate(looping_prompts, greedy(SPEC_NEW)):
+        tokens = output.outputs[0].token_ids
+        stops.append(tokenizer.decode(tokens[24:26]).strip() or tokenizer.decode(tokens[24:28]))
+    params = [greedy(SPEC_NEW, stop=[stop]) for stop in stops]
+    expected = plain.generate(looping_prompts, params)
+    llm = speculative_llm(tiny_llama_looping_dir)
+    got = llm.generate(looping_prompts, params)
+    assert [o.outputs[0].finish_reason for o in expected].count("stop") >= len(stops) // 2
+    for want, have in zip(expected, got):
+        assert have.outputs[0].text == want.outputs[0].text
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        assert (have.outputs[0].finish_reason, have.outputs[0].stop_reason) == (
+            want.outputs[0].finish_reason, want.outputs[0].stop_reason)
+    assert_proposals_accepted_and_rejected(llm)

@@ -198,6 +198,28 @@ def test_rotary_cache_is_a_float32_buffer_on_the_model_device(tiny_llama_dir):
     assert model.cos_sin_cache.shape == (config.max_position_embeddings, config.head_dim)
 
 
+def test_a_rope_scaled_context_past_max_position_embeddings_has_rotary_rows_for_every_position(
+    tiny_llama3_rope_dir,
+):
+    """max_model_len may pass max_position_embeddings under rope_scaling: the engine's rotary table covers it,
+    so a token at position 1100 of a model with 1024 positions rotates by its own angle."""
+    from engine import LLM, SamplingParams
+    from kernels.rotary import rope_cos_sin_cache
+
+    config = load_model_config(tiny_llama3_rope_dir)
+    llm = LLM(str(tiny_llama3_rope_dir), max_model_len=1536, num_kv_blocks=100, kernel_backend="torch")
+    try:
+        table = llm.engine.executor.runner.model.cos_sin_cache
+        assert config.max_position_embeddings == 1024 and table.shape[0] == 1536
+        want = rope_cos_sin_cache(config.head_dim, 1536, config.rope_theta, config.rope_scaling)
+        torch.testing.assert_close(table, want)
+        prompt = [(7 * i) % 1000 + 3 for i in range(1100)]
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()
+
+
 # ---------------------------------------------------------------- tensor-parallel weight shards
 # Each rank's layer is built alone with ParallelContext(rank, tp): no process group is needed to
 # check that its weight_loader cuts the right shard of the full checkpoint tensor.

@@ -35,3 +35,22 @@ def test_rotary_matches_float64_spec(backend, head_dim, rope_scaling, dtype):
     assert new_query.dtype == dtype and new_key.dtype == dtype
     assert_close_to_spec(new_query, rotary_embedding(positions, query, inv_freq), dtype)
     assert_close_to_spec(new_key, rotary_embedding(positions, key, inv_freq), dtype)
+
+
+def test_triton_rotary_never_reads_past_the_table():
+    """A position past the cos/sin table must not read the memory after it (the torch path raises there;
+    the Triton kernel cannot, so it reads nothing and that token's q and k come out zero)."""
+    from kernels.backend import get_backend
+
+    head_dim, rows = 64, 8
+    memory = torch.full((2 * rows, head_dim), float("nan"))  # what lies after the table: NaN
+    memory[:rows] = rope_cos_sin_cache(head_dim, rows, 10000.0)
+    table = memory[:rows]
+    query, key = torch.ones(2, 2, head_dim), torch.ones(2, 1, head_dim)
+
+    new_query, new_key = get_backend("triton", "cpu").rotary_embedding(torch.tensor([3, rows]), query, key, table)
+
+    assert torch.isfinite(new_query).all() and torch.isfinite(new_key).all()
+    assert new_query[1].abs().sum() == 0 and new_key[1].abs().sum() == 0
+    want_query, _ = get_backend("torch").rotary_embedding(torch.tensor([3]), query[:1], key[:1], table)
+    torch.testing.assert_close(new_query[:1], want_query)

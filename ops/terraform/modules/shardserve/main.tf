@@ -9,23 +9,26 @@
 locals {
   # ServeArgs (app/config.py) for the application; `python -m ops.check` validates it.
   serve_args = {
-    model                  = var.model_path
-    served_model_name      = var.served_model_name
-    tensor_parallel_size   = var.tensor_parallel_size
-    dtype                  = var.dtype
-    device                 = "cuda"
-    max_model_len          = var.max_model_len
-    max_num_seqs           = var.max_num_seqs
-    max_num_batched_tokens = var.max_num_batched_tokens
-    gpu_memory_utilization = var.gpu_memory_utilization
-    enable_prefix_caching  = var.enable_prefix_caching
-    min_replicas           = var.min_replicas
-    max_replicas           = var.max_replicas
-    target_queue_depth     = var.target_queue_depth
-    upscale_delay_s        = var.upscale_delay_s
-    downscale_delay_s      = var.downscale_delay_s
-    port                   = 8000
-    otlp_traces_endpoint   = var.otlp_traces_endpoint
+    model                    = var.model_path
+    served_model_name        = var.served_model_name
+    tensor_parallel_size     = var.tensor_parallel_size
+    dtype                    = var.dtype
+    device                   = "cuda"
+    accelerator_resource     = "GPU"
+    accelerator_per_rank     = 1
+    placement_group_strategy = "STRICT_PACK"
+    max_model_len            = var.max_model_len
+    max_num_seqs             = var.max_num_seqs
+    max_num_batched_tokens   = var.max_num_batched_tokens
+    gpu_memory_utilization   = var.gpu_memory_utilization
+    enable_prefix_caching    = var.enable_prefix_caching
+    min_replicas             = var.min_replicas
+    max_replicas             = var.max_replicas
+    target_queue_depth       = var.target_queue_depth
+    upscale_delay_s          = var.upscale_delay_s
+    downscale_delay_s        = var.downscale_delay_s
+    port                     = 8000
+    otlp_traces_endpoint     = var.otlp_traces_endpoint
   }
 
   serve_config = {

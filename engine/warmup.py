@@ -1,0 +1,97 @@
+"""The start-up runs on a GPU: one forward pass at the step's token budget (the profile that sizes the KV
+cache, engine/gpu_memory.py), then every Triton variant the steps can need, so no request pays a compile.
+
+A Triton kernel compiles once per variant (kernels/triton_variants.py): its constexprs and the
+specialisation of its integer arguments. Most of a step's kernels see one variant per model (their
+integers are the model's strides); paged attention sees more, because the block table's width
+(`stride_table_seq`: 1, a multiple of 16, or neither) and decode's split-K partition count (SPLIT,
+BLOCK_S and their strides) change with the batch. `decode_warmup_shapes` finds one (num_seqs, max_blocks)
+per variant decode can reach under the engine's limits, from the wrapper's own host-side plan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import KernelBackend
+from kernels.triton_launch import multiprocessor_count
+
+
+def _integer_class(value: int) -> str:
+    """How Triton specialises an integer argument: equal to 1, divisible by 16, or neither."""
+    return "1" if value == 1 else "16" if value % 16 == 0 else ""
+
+
+def decode_warmup_shapes(
+    num_kv_heads: int, block_size: int, max_model_len: int, max_num_seqs: int, device: torch.device
+) -> list[tuple[int, int]]:
+    """(num_seqs, max_blocks) of one decode launch per variant the engine's steps can reach: every split-K
+    partition count (each has its own strides and BLOCK_S), each with the block table's width equal to 1,
+    a multiple of 16, or neither."""
+    from kernels.decode_attention_triton import context_partitions
+
+    max_blocks_limit = -(-max_model_len // block_size)
+    # from this batch on, (sequence, KV head) programs fill the GPU: no batch splits, all launch alike
+    no_split_from = -(-2 * multiprocessor_count(device) // num_kv_heads)
+    shapes: dict[tuple[int, str], tuple[int, int]] = {}
+    for num_seqs in range(1, min(max_num_seqs, no_split_from) + 1):
+        for max_blocks in range(1, max_blocks_limit + 1):
+            num_splits, _ = context_partitions(num_seqs, num_kv_heads, max_blocks * block_size, device)
+            shapes.setdefault((num_splits, _integer_class(max_blocks)), (num_seqs, max_blocks))
+    return sorted(shapes.values())
+
+
+def prefill_warmup_widths(block_size: int, max_model_len: int) -> list[int]:
+    """Block-table widths that give prefill attention each of its variants (1, a multiple of 16, neither)."""
+    limit = -(-max_model_len // block_size)
+    return [width for width in (1, 2, 16) if width <= limit]
+
+
+@torch.inference_mode()
+def warm_up_attention(
+    backend: KernelBackend,
+    kv_cache: torch.Tensor,  # [2, kv_heads_per_rank, num_blocks, block_size, head_dim]: any layer's cache
+    num_heads: int,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> int:
+    """Launch paged attention once per variant (reading block 0 only; the cache is left as it was).
+    Returns the launches made."""
+    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    device, dtype = kv_cache.device, kv_cache.dtype
+    scale = head_dim**-0.5
+    launches = 0
+    for num_seqs, max_blocks in decode_warmup_shapes(num_kv_heads, block_size, max_model_len, max_num_seqs, device):
+        query = torch.zeros(num_seqs, num_heads, head_dim, dtype=dtype, device=device)
+        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=device)
+        lens = torch.full((num_seqs,), max_blocks * block_size, dtype=torch.int32, device=device)
+        backend.paged_decode_attention(query, kv_cache, tables, lens, scale)
+        launches += 1
+    for width in prefill_warmup_widths(block_size, max_model_len):
+        query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+        tables = torch.zeros(1, width, dtype=torch.int32, device=device)
+        query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        lens = torch.full((1,), width * block_size, dtype=torch.int32, device=device)
+        backend.paged_prefill_attention(query, kv_cache, tables, query_start_loc, lens, scale, max_query_len=1)
+        launches += 1
+    return launches
+
+
+@torch.inference_mode()
+def warm_up_sampling(backend: KernelBackend, logits: torch.Tensor) -> None:
+    """The fused sampler (top-k, top-p and min-p all on) and the structured-output mask over `logits`
+    ([rows, vocab] float32, changed in place), as a step with every option set would run them."""
+    from kernels.bitmask import bitmask_words
+
+    rows, vocab = logits.shape
+    device = logits.device
+    backend.sample_tokens(
+        logits,
+        torch.ones(rows, device=device),
+        torch.full((rows,), 50, dtype=torch.int32, device=device),
+        torch.full((rows,), 0.9, device=device),
+        torch.full((rows,), 0.05, device=device),
+        torch.full((rows,), 0.5, dtype=torch.float64, device=device),
+    )
+    bitmask = torch.full((rows, bitmask_words(vocab)), -1, dtype=torch.int32, device=device)
+    backend.apply_token_bitmask(logits, bitmask, torch.arange(rows, device=device))

@@ -1,0 +1,373 @@
+"""Speculative decoding (engine/spec_decode/): the n-gram proposer, scheduling and rollback with exact block ids,
+the verifier's rows and its distribution, seeded reproducibility, aborts, start-up errors and metrics.
+
+Greedy exactness against transformers is in test_hf_equivalence.py, TP=2 in tests/parallel/test_tp_exactness.py.
+"""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+from scheduler_steps import scheduler_with_fixed_tokens
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.sampler import SampledToken, sample
+from engine.sequence import Request
+from engine.spec_decode.ngram import NgramProposer, propose_ngram
+from engine.spec_decode.verify import SpeculativeRow, num_accepted, sampling_rows
+from kernels.backend import get_backend
+
+SPECULATIVE = {"num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+def arrays(*sequences):
+    return [np.asarray(s, dtype=np.int32) for s in sequences]
+
+
+# ---- the n-gram proposer ----------------------------------------------------------------------------------
+
+
+def test_the_longest_suffix_match_wins_and_what_followed_it_is_proposed():
+    # suffix [7, 8, 9]: "8 9" also occurs later (followed by 4), but "7 8 9" (followed by 1 2) is longer
+    tokens = [7, 8, 9, 1, 2, 3, 8, 9, 4, 5, 7, 8, 9]
+    assert propose_ngram(arrays(tokens), [2], 1, 3) == [[1, 2]]
+    assert propose_ngram(arrays(tokens), [2], 1, 2) == [[4, 5]]  # at most 2: the latest "8 9" wins
+
+
+def test_among_equally_long_matches_the_latest_is_taken_and_proposals_stop_at_the_end():
+    tokens = [5, 6, 1, 5, 6, 2, 3, 5, 6]
+    assert propose_ngram(arrays(tokens), [4], 1, 2) == [[2, 3, 5, 6]]
+    assert propose_ngram(arrays([4, 4, 4]), [5], 1, 3) == [[4]]  # the match just before the end: one token
+
+
+def test_nothing_is_proposed_below_prompt_lookup_min_or_without_a_match():
+    assert propose_ngram(arrays([1, 2, 3, 9, 3]), [3], 2, 3) == [[]]  # only "3" matches: shorter than 2
+    assert propose_ngram(arrays([1, 2, 3, 4]), [3], 1, 3) == [[]]
+    assert propose_ngram(arrays([1, 2, 1, 2]), [0], 1, 3) == [[]]  # no room for proposals
+
+
+def reference_proposal(tokens, k, min_n, max_n):
+    """The rule, one n at a time, longest first, latest occurrence first."""
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + k]
+    return []
+
+
+def test_the_batched_search_agrees_with_the_rule_on_random_sequences():
+    rng = random.Random(3)
+    seqs = [[rng.randrange(6) for _ in range(rng.randrange(1, 80))] for _ in range(300)]
+    ks = [rng.randrange(0, 6) for _ in seqs]
+    got = propose_ngram(arrays(*seqs), ks, 2, 4)
+    assert got == [reference_proposal(s, k, 2, 4) if k else [] for s, k in zip(seqs, ks)]
+    assert sum(map(bool, got)) > 100
+
+
+def test_the_proposer_follows_growing_sequences():
+    request = Request("r", None, [1, 2, 3, 1, 2], SamplingParams())
+    (seq,) = request.seqs
+    proposer = NgramProposer(3, 1, 3)
+    assert proposer.propose([seq], [3]) == [[3, 1, 2]]
+    seq.append_token(9, None)
+    assert proposer.propose([seq], [3]) == [[]]
+    seq.append_token(1, None)
+    assert proposer.propose([seq], [1]) == [[2]]
+
+
+# ---- scheduling and rollback (no model: every sampled token is given) -------------------------------------
+
+
+def spec_scheduler(num_blocks=16, prefix_caching=False, **spec):
+    config = EngineConfig(model="unused", block_size=4, max_num_batched_tokens=64, watermark=0.0,
+                          enable_prefix_caching=prefix_caching,
+                          speculative_config={"num_speculative_tokens": 3, **spec})
+    return scheduler_with_fixed_tokens(config, num_blocks)
+
+
+def add(scheduler, prompt, max_tokens=16):
+    (seq,) = Request(f"r{random.random()}", None, prompt, SamplingParams(max_tokens=max_tokens)).seqs
+    scheduler.add(seq)
+    return seq
+
+
+def step(scheduler, out, tokens):
+    scheduler.update_from_output(out, [SampledToken(t, None) for t in tokens])
+
+
+def prefilled(scheduler, prompt, first_token, **kw):
+    seq = add(scheduler, prompt, **kw)
+    step(scheduler, scheduler.schedule(), [first_token])
+    return seq
+
+
+def test_a_sequence_with_k_proposals_is_one_chunk_of_k_plus_one_tokens_all_sampled():
+    scheduler = spec_scheduler()
+    seq = prefilled(scheduler, [5, 6, 7, 5, 6, 7, 5], 6)  # tokens ... 7 5 6: "7 5 6" was followed by 7 5 6
+    out = scheduler.schedule()
+    (chunk,) = out.prefills
+    assert (chunk.num_tokens, chunk.proposals, chunk.token_ids) == (4, [7, 5, 6], [6, 7, 5, 6])
+    assert out.num_batched_tokens == 4
+    assert [type(row) for row in out.sampling_rows] == [type(seq)] + [SpeculativeRow] * 3
+    assert seq.block_table == [0, 1, 2]  # positions 7..10
+    step(scheduler, out, [7, 5, 6, 9])  # all three accepted, and the target's own token after them
+    assert seq.token_ids[-4:] == [7, 5, 6, 9]
+    assert seq.num_computed_tokens == seq.num_tokens - 1 == 11
+    assert scheduler.spec_stats.acceptance_length_counts == [0, 0, 0, 1]
+
+
+def test_rejected_proposals_roll_back_computed_tokens_and_the_blocks_only_they_needed():
+    scheduler = spec_scheduler()
+    seq = prefilled(scheduler, [5, 6, 7, 5, 6, 7, 5], 6)
+    out = scheduler.schedule()
+    assert seq.block_table == [0, 1, 2]
+    step(scheduler, out, [8, 5, 6, 9])  # the first proposal (7) is rejected: only the target's 8 is kept
+    assert seq.token_ids[-2:] == [6, 8]
+    assert seq.num_computed_tokens == 8
+    assert seq.block_table == [0, 1]  # block 2 held only rejected slots
+    assert scheduler.block_manager.num_free_blocks == 14
+    spec = scheduler.spec_stats
+    assert (spec.num_proposed_tokens, spec.num_accepted_tokens, spec.num_emitted_tokens) == (3, 0, 1)
+    scheduler.block_manager.check_invariants([seq])
+
+
+def test_proposals_are_never_hashed_for_the_prefix_cache_until_accepted():
+    scheduler = spec_scheduler(prefix_caching=True)
+    seq = prefilled(scheduler, [5, 6, 7, 5, 6, 7, 5], 6)
+    out = scheduler.schedule()  # block 1 (positions 4..7) is full of real tokens, block 2 only of proposals
+    manager = scheduler.block_manager
+    assert manager.block_hash[seq.block_table[1]] is not None
+    assert manager.block_hash[seq.block_table[2]] is None
+    step(scheduler, out, [7, 9, 0, 0])
+    scheduler.schedule()  # the accepted 7 and the target's 9 complete no block yet
+    assert manager.block_hash[seq.block_table[2]] is None
+    manager.check_invariants([seq])
+
+
+def test_proposals_never_pass_max_tokens_and_a_stop_inside_an_accepted_run_cuts_there():
+    scheduler = spec_scheduler()
+    seq = prefilled(scheduler, [5, 6, 7, 5, 6, 7, 5], 6, max_tokens=3)
+    out = scheduler.schedule()
+    assert out.prefills[0].proposals == [7]  # 1 output, 3 allowed: one proposal and the target's token
+    step(scheduler, out, [7, 5])
+    assert seq.is_finished and seq.finish_reason == "length" and seq.output_token_ids == [6, 7, 5]
+    scheduler.block_manager.check_all_free()
+
+
+def test_speculation_is_off_above_disable_by_batch_size_and_under_a_grammar():
+    scheduler = spec_scheduler(disable_by_batch_size=1)
+    a, b = add(scheduler, [5, 6, 7, 5, 6, 7, 5]), add(scheduler, [1, 2, 1, 2, 1])
+    step(scheduler, scheduler.schedule(), [6, 2])  # both would propose; two are running
+    out = scheduler.schedule()
+    assert [c.seq for c in out.decodes] == [a, b] and not out.prefills
+    scheduler = spec_scheduler()
+    seq = prefilled(scheduler, [5, 6, 7, 5, 6, 7, 5], 6)
+    seq.grammar = object()  # a matcher cannot roll back: no proposals
+    assert [c.seq for c in scheduler.schedule().decodes] == [seq]
+
+
+def test_proposals_are_cut_to_the_token_budget():
+    config = EngineConfig(model="unused", block_size=4, max_num_batched_tokens=3, watermark=0.0,
+                          enable_prefix_caching=False, speculative_config={"num_speculative_tokens": 3})
+    scheduler = scheduler_with_fixed_tokens(config, 16)
+    seq = add(scheduler, [5, 6, 7, 5, 6, 7, 5])
+    for _ in range(2):  # the prompt in chunks of 3, 3 and 1
+        step(scheduler, scheduler.schedule(), [])
+    step(scheduler, scheduler.schedule(), [6])
+    out = scheduler.schedule()
+    assert out.prefills[0].proposals == [7, 5]  # 3 proposed, the budget holds the last token and two
+    assert out.num_batched_tokens == 3
+
+
+# ---- verification rows and the distribution they sample --------------------------------------------------
+
+
+def seeded_seq(seed, prompt=(3, 4, 5), outputs=(), **params):
+    request = Request(f"s{seed}", None, list(prompt), SamplingParams(seed=seed, **params))
+    seq = request.seqs[0]
+    for token in outputs:
+        seq.append_token(token, None)
+    return seq
+
+
+def test_a_speculative_row_samples_as_its_sequence_would_with_the_proposals_appended():
+    """Penalties see the proposals, min_tokens counts them, and the draw uses their output position's counter."""
+    backend = get_backend("auto", "cpu")
+    params = dict(temperature=0.8, top_k=6, repetition_penalty=1.5, frequency_penalty=0.5, min_tokens=3)
+    logits = torch.randn(1, 16, generator=torch.Generator().manual_seed(0)).repeat(50, 1)
+    logits[:, 2] = 5.0  # EOS: allowed only from the third output on
+    rows, appended = [], []
+    for seed in range(50):
+        proposals = [7, 8][: seed % 3]
+        rows.append(sampling_rows(seeded_seq(seed, outputs=[6], **params), proposals)[-1])
+        appended.append(seeded_seq(seed, outputs=[6, *proposals], **params))
+    got = [t.token_id for t in sample(logits, rows, (2,), backend)]
+    assert got == [t.token_id for t in sample(logits, appended, (2,), backend)]
+    assert len(set(got)) > 3
+
+
+def chi_square_p_value(counts_a: np.ndarray, counts_b: np.ndarray) -> float:
+    """Two-sample homogeneity test over the categories either sample saw."""
+    table = np.stack([counts_a, counts_b]).astype(np.float64)
+    table = table[:, table.sum(0) > 0]
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    statistic = ((table - expected) ** 2 / expected).sum()
+    dof = table.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
+
+
+def test_verified_tokens_have_the_target_distribution_at_temperature_0_7_and_top_p_0_9():
+    """Two positions over a vocabulary of 8: the first emitted token, and the second when the proposal was
+    accepted, drawn with speculation (one pass over both rows) and without (token by token, other seeds)."""
+    vocab, draws, backend = 8, 20000, get_backend("auto", "cpu")
+    generator = torch.Generator().manual_seed(1)
+    logits0, logits1 = torch.randn(vocab, generator=generator) * 2, torch.randn(vocab, generator=generator) * 2
+    proposal = int(logits0.argsort()[-2])  # the target's second choice: accepted now and then
+    params = dict(temperature=0.7, top_p=0.9, repetition_penalty=1.3)
+
+    def outcome(first, second):
+        return first if first != proposal else vocab + second  # a category per emitted run
+
+    seqs = [seeded_seq(seed, **params) for seed in range(draws)]
+    rows = [row for seq in seqs for row in sampling_rows(seq, [proposal])]
+    tokens = [t.token_id for t in sample(torch.stack([logits0, logits1]).repeat(draws, 1), rows, (), backend)]
+    with_spec = np.zeros(2 * vocab, dtype=np.int64)
+    for i in range(draws):
+        first, second = tokens[2 * i], tokens[2 * i + 1]
+        assert num_accepted([proposal], [first, second]) == (first == proposal)
+        with_spec[outcome(first, second)] += 1
+
+    plain = [seeded_seq(draws + seed, **params) for seed in range(draws)]
+    firsts = [t.token_id for t in sample(logits0.repeat(draws, 1), plain, (), backend)]
+    for seq, first in zip(plain, firsts):
+        seq.append_token(first, None)
+    accepted = [seq for seq, first in zip(plain, firsts) if first == proposal]
+    seconds = iter(t.token_id for t in sample(logits1.repeat(len(accepted), 1), accepted, (), backend))
+    without = np.zeros(2 * vocab, dtype=np.int64)
+    for first in firsts:
+        without[outcome(first, next(seconds) if first == proposal else 0)] += 1
+
+    assert 0.05 < with_spec[vocab:].sum() / draws < 0.6, "the proposal is almost never or always accepted"
+    assert (with_spec[vocab:] > 0).sum() >= 3, "too few second tokens to compare"
+    assert chi_square_p_value(with_spec, without) > 1e-3
+    # and the test can tell: accepting the proposal regardless of the target shifts the first token
+    always = with_spec.copy()
+    always[proposal] = 0
+    always[vocab + proposal] += with_spec[:vocab].sum() - with_spec[proposal]
+    assert chi_square_p_value(always, without) < 1e-6
+
+
+# ---- the engine -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def repeating_prompts():
+    """Prompts whose greedy continuations on the looping model fall into loops (as test_hf_equivalence's)."""
+    rng = random.Random(59)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in (10, 40, 25)]
+
+
+def test_a_seeded_request_gives_the_same_tokens_alone_in_a_batch_and_without_speculation(tiny_llama_looping_dir,
+                                                                                         repeating_prompts):
+    params = SamplingParams(temperature=0.05, top_p=0.9, max_tokens=32, ignore_eos=True, seed=11)
+    other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    llm = LLM(model=str(tiny_llama_looping_dir), dtype="float32", speculative_config=SPECULATIVE)
+    alone = llm.generate([repeating_prompts[0]], params)[0].outputs[0].token_ids
+    batched = llm.generate(repeating_prompts, [params, other, other])[0].outputs[0].token_ids
+    plain = LLM(model=str(tiny_llama_looping_dir), dtype="float32")
+    assert alone == batched == plain.generate([repeating_prompts[0]], params)[0].outputs[0].token_ids
+    assert llm.engine.stats().speculation.num_accepted_tokens > 0
+    llm.engine.scheduler.block_manager.check_all_free()
+
+
+def test_logprobs_and_n_choices_are_what_they_are_without_speculation(tiny_llama_looping_dir, repeating_prompts):
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.05, max_tokens=30, ignore_eos=True, n=2, seed=3, min_tokens=20)]
+    prompts = repeating_prompts[:2]
+    plain = LLM(model=str(tiny_llama_looping_dir), dtype="float32").generate(prompts, params)
+    llm = LLM(model=str(tiny_llama_looping_dir), dtype="float32", speculative_config=SPECULATIVE)
+    got = llm.generate(prompts, params)
+    for want, have in zip(plain, got):
+        assert [o.token_ids for o in have.outputs] == [o.token_ids for o in want.outputs]
+    for want, have in zip(plain[0].outputs[0].logprobs, got[0].outputs[0].logprobs):
+        assert want.keys() == have.keys()
+        assert all(abs(want[t] - have[t]) < 1e-4 for t in want)
+    assert llm.engine.stats().speculation.num_accepted_tokens > 0
+
+
+def test_an_abort_while_a_verification_runs_leaks_no_blocks(tiny_llama_looping_dir, repeating_prompts):
+    llm = LLM(model=str(tiny_llama_looping_dir), dtype="float32", speculative_config=SPECULATIVE)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(repeating_prompts):
+        engine.add_request(str(i), prompt, params)
+    execute = engine.executor.execute_model
+    aborted = []
+
+    def abort_during_verification(step, sampling):
+        verifying = sampling is not None and any(isinstance(row, SpeculativeRow) for row in sampling.seqs)
+        if verifying and not aborted:
+            row = next(row for row in sampling.seqs if isinstance(row, SpeculativeRow))
+            aborted.append(engine.abort_request(row.seq.request.request_id))
+        return execute(step, sampling)
+
+    engine.executor.execute_model = abort_during_verification
+    after_abort = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if aborted:
+                after_abort[delta.request_id] = delta
+    assert aborted and aborted[0].outputs[0].finish_reason == "abort"
+    others = set(map(str, range(len(repeating_prompts)))) - {aborted[0].request_id}
+    assert set(after_abort) == others, "the aborted request got a token after its abort"
+    assert all(after_abort[r].outputs[0].finish_reason == "length" for r in others)
+    engine.scheduler.block_manager.check_all_free()
+
+
+@pytest.mark.parametrize("tokens", [0, 17])
+def test_num_speculative_tokens_out_of_bounds_is_a_clear_start_up_error(tiny_llama_dir, tokens):
+    with pytest.raises(ValidationError, match="num_speculative_tokens"):
+        LLM(model=str(tiny_llama_dir), speculative_config={"num_speculative_tokens": tokens})
+
+
+def test_speculative_config_rules_and_the_serve_flag():
+    from app.config import ServeArgs
+
+    with pytest.raises(ValidationError, match="prompt_lookup_min"):
+        SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(ValidationError, match="draft_model is not implemented"):
+        SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model="/some/draft")
+    args = ServeArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 5}')
+    config = args.engine_config("/model")
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=5)
+    assert ServeArgs().engine_config("/model").speculative_config is None  # off by default
+    with pytest.raises(ValidationError, match="num_speculative_tokens"):
+        ServeArgs(speculative_config={"num_speculative_tokens": 99})
+    with pytest.raises(ValidationError, match="not valid JSON"):
+        ServeArgs(speculative_config="{num_speculative_tokens: 2")
+
+
+def test_metrics_report_proposed_accepted_and_emitted_tokens(tiny_llama_looping_dir, repeating_prompts):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from app.observability.metrics import EngineCollector
+
+    llm = LLM(model=str(tiny_llama_looping_dir), dtype="float32", speculative_config=SPECULATIVE)
+    llm.generate(repeating_prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    spec = llm.engine.stats().speculation
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(llm.engine, "m", "r0"))
+    text = generate_latest(registry).decode()
+    labels = '{model_name="m",replica="r0"}'
+    assert f"shardserve:spec_decode_num_draft_tokens_total{labels} {float(spec.num_proposed_tokens)}" in text
+    assert f"shardserve:spec_decode_num_accepted_tokens_total{labels} {float(spec.num_accepted_tokens)}" in text
+    assert f"shardserve:spec_decode_num_emitted_tokens_total{labels} {float(spec.num_emitted_tokens)}" in text
+    count = f'shardserve:spec_decode_acceptance_length_count{labels} {float(spec.num_verifications)}'
+    assert count in text
+    assert spec.num_emitted_tokens == spec.num_accepted_tokens + spec.num_verifications
