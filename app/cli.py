@@ -21,6 +21,7 @@ from app.config import ServeArgs
 from app.ray_cluster import (
     adopt_orphaned_descendants,
     end_leftover_processes,
+    local_cluster_alive,
     ray_processes_in_their_own_process_group,
 )
 from bench.flags import flag_help
@@ -28,6 +29,11 @@ from bench.flags import flag_help
 logger = logging.getLogger("shardserve.cli")
 
 APP_NAME = "shardserve"
+# Serve's shutdown after the drain (replicas stop, the proxy goes): about 1 s idle on 2 cores; past this bound
+# the cluster is not answering, and ray.shutdown() ends it
+SERVE_SHUTDOWN_TIMEOUT_S = 10.0
+# what is left of a local cluster whose own processes were signalled: a moment to exit before SIGKILL
+GONE_CLUSTER_GRACE_S = 0.5
 # Flags vLLM users expect that are spelled differently in ServeArgs.
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}
 
@@ -94,6 +100,14 @@ def connect_to_ray(args: ServeArgs, ray_address: str | None) -> bool:
     return True
 
 
+def finishes_within(timeout_s: float, step) -> bool:
+    """Run `step` on a daemon thread; False if it has not returned within timeout_s (it is then left behind)."""
+    thread = threading.Thread(target=step, name="shardserve-shutdown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive()
+
+
 def serve(args: ServeArgs, ray_address: str | None = None) -> None:
     """Run the app on Ray Serve behind its HTTP proxy, on the cluster at `ray_address` or on a local one of our
     own; block until Ctrl-C or SIGTERM, then drain."""
@@ -105,12 +119,13 @@ def serve(args: ServeArgs, ray_address: str | None = None) -> None:
     from ray import serve as ray_serve
 
     from app.deployment import build_app, served_model_name
-    from app.drain import drain_application, start_coordinator
+    from app.drain import ClusterGone, drain_application, start_coordinator
 
     scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from other machines"
     logger.info("binding HTTP to %s:%d (%s); Ray ports listen on 127.0.0.1 only", args.host, args.port, scope)
     own_cluster = connect_to_ray(args, ray_address)
     stop, hurry = threading.Event(), threading.Event()  # the first signal drains, a second one stops at once
+    cluster_gone = False
 
     def on_signal(*_) -> None:
         (hurry if stop.is_set() else stop).set()
@@ -121,28 +136,57 @@ def serve(args: ServeArgs, ray_address: str | None = None) -> None:
         coordinator = start_coordinator(APP_NAME)  # before the replicas start: they look it up (app/drain.py)
         # the proxy on the head node only, as configs/serve.yaml has it: worker nodes hold replicas
         ray_serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
-        ray_serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-        logger.info("serving %r at http://%s:%d/v1 (Ctrl-C to stop)", served_model_name(args), args.host, args.port)
+        failed: list[BaseException] = []
+
+        def deploy() -> None:
+            try:
+                ray_serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+                failed.append(e)
+                stop.set()
+                return
+            logger.info("serving %r at http://%s:%d/v1 (Ctrl-C to stop)", served_model_name(args), args.host,
+                        args.port)
+
+        # on a thread: a signal while the replicas start stops at once, even when Ray has gone and serve.run,
+        # waiting for the application, would never return
+        threading.Thread(target=deploy, name="shardserve-deploy", daemon=True).start()
         stop.wait()
+        if failed:
+            raise failed[0]
         began = time.monotonic()
         logger.info("draining: new requests get 503, in-flight ones have %.0f s (Ctrl-C again to stop now)",
                     args.shutdown_timeout)
-        pending = drain_application(coordinator, APP_NAME, args.shutdown_timeout, hurry)
-        logger.info("drained in %.1f s%s; shutting down", time.monotonic() - began,
-                    f" ({len(pending)} replica(s) did not report)" if pending else "")
+        try:
+            pending = drain_application(coordinator, APP_NAME, args.shutdown_timeout, hurry,
+                                        local_cluster_alive if own_cluster else lambda: True)
+        except ClusterGone as gone:
+            logger.warning("the Ray cluster is gone (%s): not waiting for replicas", gone)
+            cluster_gone = True
+        else:
+            logger.info("drained in %.1f s%s; shutting down", time.monotonic() - began,
+                        f" ({len(pending)} replica(s) did not report)" if pending else "")
     finally:
-        leave_ray(own_cluster)
+        leave_ray(own_cluster, cluster_gone)
 
 
-def leave_ray(own_cluster: bool) -> None:
+def leave_ray(own_cluster: bool, cluster_gone: bool = False) -> None:
     """Stop serving: our own cluster goes with everything on it; on a cluster we joined, only our application."""
     import ray
     from ray import serve as ray_serve
 
-    if own_cluster:
-        ray_serve.shutdown()
-    else:
-        ray_serve.delete(APP_NAME)
+    if cluster_gone or (own_cluster and not local_cluster_alive()):
+        # its processes were signalled too (systemd's control-group stop): Serve's graceful shutdown would wait
+        # on a controller that cannot answer, and ray.shutdown() a second on each process still exiting
+        logger.warning("stopping without Serve's shutdown: the Ray cluster is gone")
+        if own_cluster:
+            end_leftover_processes(grace_s=GONE_CLUSTER_GRACE_S)
+            # ray.shutdown(), here or at exit, would wait 5 s for a GCS and a raylet that have gone
+            logging.shutdown()
+            os._exit(0)
+    elif not finishes_within(SERVE_SHUTDOWN_TIMEOUT_S, ray_serve.shutdown if own_cluster else
+                             lambda: ray_serve.delete(APP_NAME)):
+        logger.warning("Serve did not shut down within %.0f s; stopping without it", SERVE_SHUTDOWN_TIMEOUT_S)
     ray.shutdown()
     if own_cluster and (left := end_leftover_processes()):
         logger.warning("ended %d process(es) that outlived ray.shutdown(): %s", len(left), left)

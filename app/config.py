@@ -72,7 +72,8 @@ class ServeArgs(BaseModel):
     speculative_config: dict[str, Any] | None = Field(None, description=(
         "speculative decoding as JSON with vLLM's keys, e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}' (also prompt_lookup_min, "
-        "disable_by_batch_size; default: off)"))
+        "disable_by_batch_size; or method draft_model with model, a smaller model of the same tokenizer; "
+        "default: off)"))
     # what requests that leave things out get (app/model_defaults.py)
     generation_config: str = Field("auto", description=(
         "where requests' default sampling comes from (vLLM's flag): auto, the model directory's "

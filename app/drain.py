@@ -42,6 +42,10 @@ POLL_S = 0.05
 CLUSTER_CALL_TIMEOUT_S = 5.0
 
 
+class ClusterGone(Exception):
+    """The Ray cluster stopped answering during the drain (its own processes were signalled too, or died)."""
+
+
 def coordinator_name(app_name: str) -> str:
     return f"drain-{app_name}"
 
@@ -141,37 +145,48 @@ def start_coordinator(app_name: str):
     return actor.remote()
 
 
-def live_replicas(app_name: str) -> list[str]:
+def answer(ref, cluster_alive: Callable[[], bool]):
+    """The value of one call to the cluster, waited for up to CLUSTER_CALL_TIMEOUT_S while the cluster is alive."""
+    import ray
+
+    give_up = time.monotonic() + CLUSTER_CALL_TIMEOUT_S
+    while not ray.wait([ref], timeout=POLL_S)[0]:
+        if not cluster_alive():
+            raise ray.exceptions.RaySystemError("the cluster's own processes have exited")
+        if time.monotonic() > give_up:
+            raise ray.exceptions.GetTimeoutError(f"no answer within {CLUSTER_CALL_TIMEOUT_S:.0f} s")
+    return ray.get(ref)
+
+
+def live_replicas(app_name: str, cluster_alive: Callable[[], bool]) -> list[str]:
     """The ids of the application's replicas that Serve's controller still lists (starting, running, stopping)."""
     import ray
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    details = ray.get(controller.get_serve_instance_details.remote(), timeout=CLUSTER_CALL_TIMEOUT_S)
+    details = answer(controller.get_serve_instance_details.remote(), cluster_alive)
     app = (details.get("applications") or {}).get(app_name) or {}
     return [replica["replica_id"] for deployment in app.get("deployments", {}).values()
             for replica in deployment.get("replicas", [])]
 
 
-def drain_application(coordinator, app_name: str, timeout_s: float, hurry: threading.Event) -> list[str]:
+def drain_application(coordinator, app_name: str, timeout_s: float, hurry: threading.Event,
+                      cluster_alive: Callable[[], bool]) -> list[str]:
     """Begin the drain and wait until every live replica has drained, or the deadline plus ABORT_GRACE_S, or
-    until `hurry` is set (a second Ctrl-C), or the cluster stops answering. Returns the replicas that had not
-    drained."""
+    until `hurry` is set (a second Ctrl-C). Returns the replicas that had not drained; raises ClusterGone when
+    the cluster is (`cluster_alive()` False, or a call unanswered)."""
     import ray
 
     give_up = time.monotonic() + timeout_s + ABORT_GRACE_S + 1.0
-    pending: list[str] = []
     try:
-        ray.get(coordinator.begin.remote(timeout_s), timeout=CLUSTER_CALL_TIMEOUT_S)
+        answer(coordinator.begin.remote(timeout_s), cluster_alive)
         while True:
-            live = live_replicas(app_name)
-            pending = ray.get(coordinator.pending.remote(live), timeout=CLUSTER_CALL_TIMEOUT_S)
+            live = live_replicas(app_name, cluster_alive)
+            pending = answer(coordinator.pending.remote(live), cluster_alive)
             if not pending or time.monotonic() > give_up or hurry.wait(POLL_S):
                 return pending
     except (ray.exceptions.RayError, ValueError) as gone:  # a timeout is a RayError; ValueError: no such actor
-        logger.warning("drain: the Ray cluster stopped answering (%s); not waiting for replicas",
-                       type(gone).__name__)
-        return pending
+        raise ClusterGone(str(gone).splitlines()[0]) from gone
 
 
 class ReplicaDrain:

@@ -42,6 +42,14 @@ def ray_processes_in_their_own_process_group() -> None:
     services.ConsolePopen = OwnGroupPopen
 
 
+def local_cluster_alive() -> bool:
+    """Whether every process of the Ray cluster this process started (GCS, raylet, agents) still runs."""
+    import ray
+
+    node = ray._private.worker._global_node  # Ray's own record of the processes it started for us
+    return node is None or node.remaining_processes_alive()
+
+
 def adopt_orphaned_descendants() -> None:
     """Become a child subreaper: a Ray worker whose raylet died is re-parented to this process, not to init, so
     `end_leftover_processes` still finds it."""

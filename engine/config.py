@@ -56,7 +56,7 @@ class SpeculativeConfig(BaseModel):
     # n-gram prompt lookup: the longest suffix of n tokens (min <= n <= max) found earlier in the sequence
     prompt_lookup_min: int = Field(1, ge=1, le=16)
     prompt_lookup_max: int = Field(3, ge=1, le=16)
-    model: str | None = None  # the draft model's directory (method draft_model)
+    model: str | None = None  # the draft model's directory (method draft_model; same tokenizer as the target)
     # no speculation in a step with more running sequences than this (the batch is compute-bound there)
     disable_by_batch_size: int | None = Field(None, ge=1)
 
@@ -67,9 +67,9 @@ class SpeculativeConfig(BaseModel):
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                 f"({self.prompt_lookup_max})"
             )
-        if self.method == "draft_model":
-            raise ValueError("speculative method draft_model is not implemented yet: use method ngram")
-        if self.model is not None:
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative method draft_model needs speculative_config.model (the draft's directory)")
+        if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config.model names a draft model, which method ngram does not take")
         return self
 

@@ -22,6 +22,7 @@ from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampler import SamplingBatch
 from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence
+from engine.spec_decode.draft import DraftModelProposer, check_draft_vocabulary
 from engine.spec_decode.verify import SpeculativeRow
 from engine.stopping import StopChecker
 from engine.structured_output.compiler import GrammarCompiler
@@ -43,7 +44,7 @@ class LLMEngine:
         self.executor: Executor = make_executor(config, self.model_config, self.max_model_len)
         num_blocks = self.executor.num_blocks
         if num_blocks * config.block_size < self.max_model_len:
-            self.shutdown()  # a tensor-parallel executor holds worker actors and a placement group
+            self.executor.shutdown()  # a tensor-parallel executor holds worker actors and a placement group
             raise ValueError(
                 f"the KV cache holds {num_blocks * config.block_size} tokens ({num_blocks} blocks of "
                 f"{config.block_size}), fewer than max_model_len ({self.max_model_len}): give it more memory "
@@ -53,11 +54,19 @@ class LLMEngine:
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.draft_proposer: DraftModelProposer | None = None
+        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+            try:
+                self.draft_proposer = self._make_draft_proposer(num_blocks)
+            except Exception:
+                self.executor.shutdown()  # a tensor-parallel executor holds worker actors and a placement group
+                raise
         self.scheduler = Scheduler(
             config,
             num_blocks,
             self.executor.num_host_blocks,
             StopChecker(tuple(eos), self.max_model_len, self.detokenizer),
+            proposer=self.draft_proposer,
         )
         # structured outputs: constraints compiled for this tokenizer (engine/structured_output/), and the
         # thread that fills a step's grammar bitmask while the forward pass runs
@@ -68,6 +77,17 @@ class LLMEngine:
         self.num_mixed_steps = 0  # steps where a prefill chunk shared the batch with decodes
         # (step number, tokens computed) of the latest steps: app/observability/metrics.py's tokens-per-step histogram
         self.recent_steps: deque[tuple[int, int]] = deque(maxlen=RECENT_STEPS)
+
+    def _make_draft_proposer(self, num_blocks: int) -> DraftModelProposer:
+        """The draft model of speculative_config, refused unless its vocabulary is the target's; its KV cache
+        holds as many blocks as the target's plus one per sequence (for the proposals' slots)."""
+        from engine.checkpoint.loader import load_tokenizer
+        from engine.checkpoint.model_config import load_model_config
+
+        draft = self.config.speculative_config.model
+        draft_config = load_model_config(draft)
+        check_draft_vocabulary(draft_config, self.model_config, load_tokenizer(draft), self.tokenizer)
+        return DraftModelProposer(self.config, draft_config, num_blocks + self.config.max_num_seqs, self.max_model_len)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -236,6 +256,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release what the executor started (threads, worker actors, placement group); idempotent."""
         self.executor.shutdown()
+        if getattr(self, "draft_proposer", None) is not None:  # (the KV check's shutdown comes before it)
+            self.draft_proposer.shutdown()
         self.grammar_compiler.shutdown()
         self._bitmask_filler.shutdown(wait=False)
 

@@ -65,7 +65,9 @@ def _host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor onto a GPU: pinned first (nano-vllm's way), since a non_blocking copy from pageable
     memory is staged through a driver buffer and the host waits for it. The copy is queued behind the
     device's work, and torch's pinned-memory cache keeps the buffer until the copy has run."""
-    return tensor.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def _chunk_arrays(chunks: list[ScheduledChunk], block_size: int):

@@ -34,7 +34,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sampler import SampledToken
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.ngram import NgramProposer, Proposer
 from engine.spec_decode.stats import SpeculationStats
 from engine.spec_decode.verify import SpeculativeRow, num_accepted, sampling_rows
 from engine.stopping import StopChecker
@@ -103,9 +103,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, num_host_blocks: int, stop_checker: StopChecker):
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        num_host_blocks: int,
+        stop_checker: StopChecker,
+        proposer: Proposer | None = None,
+    ):
         """`num_blocks` device KV blocks (every rank holds as many), `num_host_blocks` for swap preemption
-        (0: swapping falls back to recompute)."""
+        (0: swapping falls back to recompute). With speculative decoding the n-gram proposer is built here;
+        a draft model's (engine/spec_decode/draft.py, which runs a model) is built by the engine and given."""
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.chunked_prefill = config.enable_chunked_prefill
@@ -126,9 +134,11 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.num_schedules = 0
         self.speculative = config.speculative_config
-        self.proposer = None
-        if self.speculative is not None:
-            spec = self.speculative
+        self.proposer = proposer
+        spec = self.speculative
+        if spec is not None and proposer is None:
+            if spec.method != "ngram":
+                raise ValueError(f"speculative method {spec.method} needs its proposer built by the engine")
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.spec_stats = SpeculationStats(self.speculative.num_speculative_tokens if self.speculative else 0)
 
@@ -272,7 +282,7 @@ class Scheduler:
         that got a token. A speculating sequence's tokens follow its rows (`out.sampling_rows`)."""
         num_rows = sum(1 + len(proposals) for proposals in out.sampled_proposals)
         if len(sampled) != num_rows:
-            raise ValueError(f"{len(sampled)} sampled tokens for {num_rows} sampled rows")
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(out.sampled_seqs)} sequences ({num_rows} rows)")
         for chunk in out.chunks:
             if not chunk.proposals:  # a speculating chunk's computed tokens are what verification keeps
                 chunk.seq.num_computed_tokens += chunk.num_tokens
@@ -304,6 +314,8 @@ class Scheduler:
         if not seq.is_finished:
             self.block_manager.trim(seq)
         self.spec_stats.record(len(proposals), accepted, emitted)
+        seq.request.metrics.spec_proposed_tokens += len(proposals)
+        seq.request.metrics.spec_accepted_tokens += accepted
 
     def _append(self, seq: Sequence, token: SampledToken, now: float) -> bool:
         """Append one sampled token to `seq` and finish it if that token stops it; True if it finished."""
@@ -359,4 +371,6 @@ class Scheduler:
             self.swapped.remove(seq)
             self.block_manager.free_host(seq)
         self.block_manager.free(seq)
+        if self.proposer is not None:
+            self.proposer.forget(seq)
         seq.finish(reason, stop_reason)

@@ -40,6 +40,9 @@ class RequestMetrics:
     prefill_chunks: list[tuple[float, int, bool]] = field(default_factory=list)
     preemptions: list[float] = field(default_factory=list)
     resumes: list[float] = field(default_factory=list)
+    # speculative decoding: tokens proposed for this request's sequences, and of those accepted
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 _seq_ids = itertools.count()

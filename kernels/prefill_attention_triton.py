@@ -119,7 +119,7 @@ def paged_prefill_attention_triton(
     context_lens: torch.Tensor,  # [num_seqs] int32, cached tokens including this chunk
     scale: float,
     *,
-    max_query_len: int | None = None,  # the longest chunk; default: read from query_start_loc (a host sync)
+    max_query_len: int | None = None,  # the longest chunk (the host knows it); default: num_tokens, a bound
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Each sequence's chunk of queries attends to its cached prefix and causally within the chunk."""
     num_tokens, num_heads, head_dim = query.shape
@@ -131,8 +131,8 @@ def paged_prefill_attention_triton(
     if query.stride(-1) != 1:
         query = query.contiguous()
     assert kv_cache.stride(-1) == 1, "the KV cache's head_dim must be contiguous"
-    if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_query_len is None:  # reading it from query_start_loc would wait for the device; tiles past a chunk stop at once
+        max_query_len = num_tokens
     interpreter = is_interpreter(query.device)
     block_m, block_n = (16, 32) if interpreter else (64, 64)
     key_cache, value_cache = kv_cache[0], kv_cache[1]

@@ -3,6 +3,10 @@
 top-k and top-p thresholds are found by bisection over the logits' order-preserving int32 keys (32
 passes over the row at most, no sort): the largest key K such that the tokens at or above K hold
 enough (count for top-k, probability mass for top-p). Masses and the draw's running sum are float64.
+
+On a GPU a row's program is 8 warps over blocks of 2048 tokens: 8 tokens per thread, whose float64
+masses fit in registers (blocks of 4096 at 4 warps spilled on sm_90, scripts/gpu_check.py --compile-only).
+Keys stay int32; only the bisection's midpoint is computed in int64.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import triton
 import triton.language as tl
 
 from kernels.triton_launch import is_interpreter
+
+BLOCK, NUM_WARPS = 2048, 8  # tokens per loop iteration, warps per row (GPU)
 
 
 @triton.jit
@@ -38,21 +44,22 @@ def _bisect_threshold(
     lo = floor_key.to(tl.int64)
     hi = _order_key(row_max).to(tl.int64)
     for _ in range(32):
-        mid = lo + (hi - lo + 1) // 2
+        mid = lo + (hi - lo + 1) // 2  # int64: hi - lo may pass 2**31
+        mid32 = mid.to(tl.int32)  # lo <= mid <= hi, both int32 keys
         weight = tl.zeros((), dtype=tl.float64)
         for start in range(0, VOCAB, BLOCK):
             valid = start + offs < VOCAB
             x = tl.load(base + start + offs, mask=valid, other=float("-inf"))
-            key = _order_key(x).to(tl.int64)
+            key = _order_key(x)
             if BY_MASS:
                 w = _kept_probs(x, valid, key, row_max, inv_temperature, floor_key, 0.0)
             else:
                 w = tl.where(valid & (key >= floor_key), 1.0, 0.0).to(tl.float64)
-            weight += tl.sum(tl.where(key >= mid, w, 0.0), axis=0)
+            weight += tl.sum(tl.where(key >= mid32, w, 0.0), axis=0)
         enough = weight >= target
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid - 1)
-    return lo
+    return lo.to(tl.int32)
 
 
 @triton.jit
@@ -88,7 +95,7 @@ def _sample_kernel(
         top_k = tl.load(top_k_ptr + row)
         top_p = tl.load(top_p_ptr + row)
         min_p = tl.load(min_p_ptr + row)
-        floor_key = tl.full((), -(2**31), tl.int64)
+        floor_key = tl.full((), -(2**31), tl.int32)
         if (top_k > 0) & (top_k < VOCAB):
             floor_key = _bisect_threshold(
                 base, row_max, inv_temperature, floor_key, top_k.to(tl.float64), False, VOCAB, BLOCK
@@ -98,7 +105,7 @@ def _sample_kernel(
             for start in range(0, VOCAB, BLOCK):
                 valid = start + offs < VOCAB
                 x = tl.load(base + start + offs, mask=valid, other=float("-inf"))
-                e = _kept_probs(x, valid, _order_key(x).to(tl.int64), row_max, inv_temperature, floor_key, 0.0)
+                e = _kept_probs(x, valid, _order_key(x), row_max, inv_temperature, floor_key, 0.0)
                 total += tl.sum(e, axis=0)
             floor_key = _bisect_threshold(
                 base, row_max, inv_temperature, floor_key, top_p.to(tl.float64) * total, True, VOCAB, BLOCK
@@ -107,7 +114,7 @@ def _sample_kernel(
         for start in range(0, VOCAB, BLOCK):
             valid = start + offs < VOCAB
             x = tl.load(base + start + offs, mask=valid, other=float("-inf"))
-            e = _kept_probs(x, valid, _order_key(x).to(tl.int64), row_max, inv_temperature, floor_key, min_p)
+            e = _kept_probs(x, valid, _order_key(x), row_max, inv_temperature, floor_key, min_p)
             total += tl.sum(e, axis=0)
         target = tl.load(uniforms_ptr + row) * total
         running = tl.zeros((), dtype=tl.float64)
@@ -116,7 +123,7 @@ def _sample_kernel(
         for start in range(0, VOCAB, BLOCK):
             valid = start + offs < VOCAB
             x = tl.load(base + start + offs, mask=valid, other=float("-inf"))
-            e = _kept_probs(x, valid, _order_key(x).to(tl.int64), row_max, inv_temperature, floor_key, min_p)
+            e = _kept_probs(x, valid, _order_key(x), row_max, inv_temperature, floor_key, min_p)
             cumulative = running + tl.cumsum(e, axis=0)
             # blocks come in order: the first block with a crossing holds the smallest index
             chosen = tl.minimum(chosen, tl.min(tl.where((cumulative > target) & (e > 0), start + offs, VOCAB), axis=0))
@@ -140,7 +147,7 @@ def sample_tokens_triton(
     out = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows == 0:
         return out
-    block = min(triton.next_power_of_2(vocab), 64 if is_interpreter(device) else 4096)
+    block = min(triton.next_power_of_2(vocab), 64 if is_interpreter(device) else BLOCK)
     _sample_kernel[(num_rows,)](
         out,
         logits,
@@ -152,5 +159,6 @@ def sample_tokens_triton(
         logits.stride(0),
         VOCAB=vocab,
         BLOCK=block,
+        num_warps=NUM_WARPS,
     )
     return out

@@ -88,6 +88,13 @@ def tiny_llama_looping_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_looping_draft_dir(tmp_path_factory) -> Path:
+    """Another looping tiny Llama (seed 1), with the same tokenizer: a draft model whose proposals get rejected."""
+    return make_model("llama", "tiny", tmp_path_factory.mktemp("tiny-llama-looping-draft"), seed=1,
+                      initializer_range=0.03)
+
+
+@pytest.fixture(scope="session")
 def serve_cluster():
     """Local Ray (every port on loopback) and Serve's HTTP proxy on a free 127.0.0.1 port, once per session:
     tests/app and tests/reliability share it (a second `ray.init` in one process would fail)."""

@@ -54,6 +54,8 @@ class RequestRecord:
     received_time: float | None = None  # when the replica's API handed the request to the engine
     longest_choice_tokens: int | None = None  # output tokens of the longest choice (n > 1); None = all of them
     trace_context: otel_context.Context | None = None  # the parent of the request's spans; None: a new trace
+    spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed, and of those accepted
+    spec_accepted_tokens: int = 0
 
     @property
     def response_id(self) -> str:
@@ -129,4 +131,5 @@ class RequestTally:
             prefill_chunks=list(m.prefill_chunks), preemptions=list(m.preemptions), resumes=list(m.resumes),
             received_time=context.received_time, longest_choice_tokens=max(self.tokens_per_choice.values(), default=0),
             trace_context=context.trace_context,
+            spec_proposed_tokens=m.spec_proposed_tokens, spec_accepted_tokens=m.spec_accepted_tokens,
         )

@@ -108,6 +108,9 @@ class RequestTracer:
         attributes = {"gen_ai.usage.output_tokens": r.num_output_tokens}
         if r.time_per_output_token is not None:
             attributes["shardserve.time_per_output_token"] = r.time_per_output_token
+        if r.spec_proposed_tokens:  # speculative decoding's acceptance over this request's decode
+            attributes["shardserve.spec_decode.proposed_tokens"] = r.spec_proposed_tokens
+            attributes["shardserve.spec_decode.accepted_tokens"] = r.spec_accepted_tokens
         span = self.tracer.start_span("decode", context=inside, start_time=_ns(r.first_token_time),
                                       attributes=attributes)
         _add_events(span, r, after=r.first_token_time)

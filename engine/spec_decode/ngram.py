@@ -10,6 +10,7 @@ positions equal to the last token are found in one comparison, and only those ca
 from __future__ import annotations
 
 import weakref
+from typing import Protocol
 
 import numpy as np
 
@@ -38,12 +39,24 @@ class _TokenBuffer:
         return self.array[:n]
 
 
+class Proposer(Protocol):
+    """What the scheduler asks of a proposer (this n-gram one, or engine/spec_decode/draft.py's model)."""
+
+    def propose(self, seqs: list[Sequence], max_proposals: list[int]) -> list[list[int]]: ...
+
+    def forget(self, seq: Sequence) -> None: ...
+
+
 class NgramProposer:
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
         self._buffers: weakref.WeakKeyDictionary[Sequence, _TokenBuffer] = weakref.WeakKeyDictionary()
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` finished: drop its token buffer."""
+        self._buffers.pop(seq, None)
 
     def propose(self, seqs: list[Sequence], max_proposals: list[int]) -> list[list[int]]:
         """Up to min(k, max_proposals[i]) proposed tokens for each sequence (an empty list: no match)."""
@@ -69,7 +82,11 @@ def propose_ngram(token_arrays: list[np.ndarray], num_proposals: list[int], min_
         tokens[row, width - len(a) :] = a
     # a candidate is an earlier position `end` whose token equals the last one: the n-gram ending there
     # matches the suffix for as many tokens as agree going backwards, and what follows `end` is proposed
-    cand_row, cand_end = np.nonzero(tokens[:, :-1] == tokens[:, -1:])
+    # (flatnonzero of the whole matrix: a 2-D nonzero costs ten times as much)
+    hits = np.flatnonzero(tokens == tokens[:, -1:])
+    cand_row, cand_end = hits // width, hits % width
+    keep = cand_end < width - 1  # the last token itself is no earlier occurrence
+    cand_row, cand_end = cand_row[keep], cand_end[keep]
     if len(cand_row) == 0:
         return proposals
     match_len = np.ones(len(cand_row), dtype=np.int32)

@@ -109,8 +109,10 @@ def _check_gpu_worker(group: dict, args: ServeArgs | None, where: str) -> list[F
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
         findings.append(Finding("min-max", where, f"worker group {name!r}: minReplicas {lo} > maxReplicas {hi}"))
     if args is not None:
-        if gpus != args.tensor_parallel_size:
-            findings.append(Finding("gpus-per-replica", where, f"worker group {name!r} requests {gpus} GPUs per pod but tensor_parallel_size is {args.tensor_parallel_size}: one pod hosts one replica"))
+        if args.accelerator_resource != "GPU":
+            findings.append(Finding("accelerator-resource", where, f"worker group {name!r} offers {GPU_RESOURCE} but the replicas ask for accelerator_resource {args.accelerator_resource!r}: set it to GPU, so that a replica places only on a GPU worker and its ranks get their GPUs"))
+        elif gpus != args.tensor_parallel_size * args.accelerator_per_rank:
+            findings.append(Finding("gpus-per-replica", where, f"worker group {name!r} requests {gpus} GPUs per pod but tensor_parallel_size is {args.tensor_parallel_size} (x accelerator_per_rank {args.accelerator_per_rank:g}): one pod hosts one replica"))
         cpus = [_cpu_cores(((c.get("resources") or {}).get("limits") or {}).get("cpu")) for c in containers]
         needed = args.tensor_parallel_size * args.cpus_per_rank
         if any(cpu is not None and cpu < needed for cpu in cpus):

@@ -158,6 +158,21 @@ async def test_chunked_prefill_gives_one_event_per_chunk(tiny_llama_dir):
     assert times == sorted(times) and prefill.start_time <= times[0] and times[-1] <= prefill.end_time
 
 
+async def test_with_speculative_decoding_the_decode_span_carries_the_acceptance(tiny_llama_looping_dir):
+    exporter = InMemorySpanExporter()
+    rng = random.Random(59)  # a prompt whose continuation on the looping model falls into a loop
+    prompt = [rng.randrange(3, 512) for _ in range(10)]
+    async with observed_replica(tiny_llama_looping_dir, span_exporter=exporter,
+                                speculative_config={"num_speculative_tokens": 4}) as (client, obs, _, _):
+        body = await complete(client, prompt, max_tokens=40)
+        spans = finished_spans(obs, exporter)
+    decode = trees(spans)[body["id"]]["decode"]
+    proposed = decode.attributes["shardserve.spec_decode.proposed_tokens"]
+    accepted = decode.attributes["shardserve.spec_decode.accepted_tokens"]
+    assert 0 < accepted < proposed
+    assert decode.attributes["gen_ai.usage.output_tokens"] == 40
+
+
 async def test_a_preempted_request_shows_preemption_and_resume_events(tiny_llama_dir):
     exporter = InMemorySpanExporter()
     # 16 blocks of 16 tokens hold 256 slots; six requests of 30-60 prompt tokens + 24 outputs need ~380

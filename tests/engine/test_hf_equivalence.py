@@ -268,3 +268,25 @@ def test_speculative_stop_strings_end_where_they_do_without_speculation(tiny_lla
         assert (have.outputs[0].finish_reason, have.outputs[0].stop_reason) == (
             want.outputs[0].finish_reason, want.outputs[0].stop_reason)
     assert_proposals_accepted_and_rejected(llm)
+
+
+@pytest.mark.parametrize("draft", ["tiny_llama_looping_dir", "tiny_llama_looping_draft_dir"],
+                         ids=["the-target-as-its-own-draft", "another-model"])
+def test_draft_model_speculation_equals_transformers_under_chunks_and_preemption(tiny_llama_looping_dir, hf_greedy,
+                                                                                 looping_prompts, draft, request):
+    """The draft's own KV cache follows the target's accepted tokens: all of them (the target as its own draft
+    accepts every proposal) or none (another random model's are rejected)."""
+    expected = looping_oracle(hf_greedy, tiny_llama_looping_dir, looping_prompts)
+    speculative = {"method": "draft_model", "model": str(request.getfixturevalue(draft)), "num_speculative_tokens": 3}
+    llm = LLM(model=str(tiny_llama_looping_dir), dtype="float32", speculative_config=speculative, num_kv_blocks=16,
+              max_model_len=256, max_num_batched_tokens=32)
+    got = [o.outputs[0].token_ids for o in llm.generate(looping_prompts, greedy(SPEC_NEW))]
+    assert got == expected
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.num_mixed_steps > 0
+    spec = llm.engine.stats().speculation
+    if draft == "tiny_llama_looping_dir":
+        assert spec.num_accepted_tokens == spec.num_proposed_tokens > 0
+    else:
+        assert spec.num_accepted_tokens < spec.num_proposed_tokens
+    llm.engine.scheduler.block_manager.check_all_free()
+    llm.engine.draft_proposer.block_manager.check_all_free()

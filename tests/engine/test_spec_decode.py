@@ -176,7 +176,7 @@ def test_proposals_are_cut_to_the_token_budget():
     config = EngineConfig(model="unused", block_size=4, max_num_batched_tokens=3, watermark=0.0,
                           enable_prefix_caching=False, speculative_config={"num_speculative_tokens": 3})
     scheduler = scheduler_with_fixed_tokens(config, 16)
-    seq = add(scheduler, [5, 6, 7, 5, 6, 7, 5])
+    add(scheduler, [5, 6, 7, 5, 6, 7, 5])
     for _ in range(2):  # the prompt in chunks of 3, 3 and 1
         step(scheduler, scheduler.schedule(), [])
     step(scheduler, scheduler.schedule(), [6])
@@ -330,6 +330,21 @@ def test_an_abort_while_a_verification_runs_leaks_no_blocks(tiny_llama_looping_d
     engine.scheduler.block_manager.check_all_free()
 
 
+def test_a_draft_model_with_another_vocabulary_is_refused_at_start_up(tiny_llama_looping_dir, tmp_path):
+    import json
+    import shutil
+
+    from engine.spec_decode.draft import DraftVocabularyError
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_llama_looping_dir, draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    with pytest.raises(DraftVocabularyError, match="vocabulary of 1000 tokens, the target 1024"):
+        LLM(model=str(tiny_llama_looping_dir), dtype="float32", speculative_config=speculative)
+
+
 @pytest.mark.parametrize("tokens", [0, 17])
 def test_num_speculative_tokens_out_of_bounds_is_a_clear_start_up_error(tiny_llama_dir, tokens):
     with pytest.raises(ValidationError, match="num_speculative_tokens"):
@@ -341,8 +356,10 @@ def test_speculative_config_rules_and_the_serve_flag():
 
     with pytest.raises(ValidationError, match="prompt_lookup_min"):
         SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=2)
-    with pytest.raises(ValidationError, match="draft_model is not implemented"):
-        SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model="/some/draft")
+    with pytest.raises(ValidationError, match="draft_model needs speculative_config.model"):
+        SpeculativeConfig(method="draft_model", num_speculative_tokens=2)
+    with pytest.raises(ValidationError, match="which method ngram does not take"):
+        SpeculativeConfig(num_speculative_tokens=2, model="/some/draft")
     args = ServeArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 5}')
     config = args.engine_config("/model")
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=5)
@@ -351,6 +368,14 @@ def test_speculative_config_rules_and_the_serve_flag():
         ServeArgs(speculative_config={"num_speculative_tokens": 99})
     with pytest.raises(ValidationError, match="not valid JSON"):
         ServeArgs(speculative_config="{num_speculative_tokens: 2")
+
+
+def test_the_serve_flag_takes_vllm_json():
+    from app.cli import build_parser, serve_args_from
+
+    flags = ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}']
+    config = serve_args_from(build_parser().parse_args(flags)).engine_config("/model").speculative_config
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == ("ngram", 3, 2)
 
 
 def test_metrics_report_proposed_accepted_and_emitted_tokens(tiny_llama_looping_dir, repeating_prompts):
@@ -371,3 +396,19 @@ def test_metrics_report_proposed_accepted_and_emitted_tokens(tiny_llama_looping_
     count = f'shardserve:spec_decode_acceptance_length_count{labels} {float(spec.num_verifications)}'
     assert count in text
     assert spec.num_emitted_tokens == spec.num_accepted_tokens + spec.num_verifications
+
+
+def test_the_draft_forgets_the_kv_of_proposals_the_target_rejected():
+    from engine.spec_decode.draft import _DraftSequence
+
+    (seq,) = Request("d", None, [1, 2, 3, 4, 5], SamplingParams()).seqs
+    draft = _DraftSequence(seq)
+    draft.base_len, draft.proposals, draft.num_computed_tokens = 5, [7, 8, 9], 7  # K/V of 1..5, 7, 8
+    for token in (7, 8, 3):  # the target kept two proposals, then chose 3 over 9
+        seq.append_token(token, None)
+    draft.roll_back()
+    assert (draft.num_computed_tokens, draft.proposals, draft.token_ids) == (7, [], [1, 2, 3, 4, 5, 7, 8, 3])
+    draft.base_len, draft.proposals, draft.num_computed_tokens = 8, [6], 8
+    seq.append_token(4, None)  # rejected at once: only the K/V of the target's own tokens stays
+    draft.roll_back()
+    assert draft.num_computed_tokens == 8

@@ -87,7 +87,7 @@ def test_tfvars_example_setting_an_undeclared_variable_is_reported(ops_tree):
 
 
 def test_terraform_serve_args_field_that_serveargs_rejects_is_reported(ops_tree):
-    ops_tree.edit(SHARDSERVE, '    device                 = "cuda"\n', '    device                 = "cuda"\n    max_num_seq = 8\n')
+    ops_tree.edit(SHARDSERVE, '    device                   = "cuda"\n', '    device                   = "cuda"\n    max_num_seq = 8\n')
     only_rule(findings_of(ops_tree), "serve-args", "max_num_seq")
 
 
@@ -107,6 +107,16 @@ def test_serve_yaml_with_unknown_field_is_reported(ops_tree):
 def test_worker_gpus_differing_from_tensor_parallel_size_are_reported(ops_tree):
     ops_tree.edit(RAYSERVICE_YAML, "          tensor_parallel_size: 1", "          tensor_parallel_size: 2")
     only_rule(findings_of(ops_tree), "gpus-per-replica", "tensor_parallel_size is 2")
+
+
+def test_replicas_asking_for_another_resource_than_the_gpu_workers_offer_are_reported(ops_tree):
+    ops_tree.edit(RAYSERVICE_YAML, "accelerator_resource: GPU ", "accelerator_resource: accel ")
+    only_rule(findings_of(ops_tree), "accelerator-resource", "'accel'")
+
+
+def test_terraform_replicas_asking_for_no_gpu_are_reported(ops_tree):
+    ops_tree.edit(SHARDSERVE, 'accelerator_resource     = "GPU"\n', "")
+    only_rule(findings_of(ops_tree), "accelerator-resource", "None")
 
 
 def test_max_replicas_beyond_the_gpu_nodes_capacity_is_reported(ops_tree):

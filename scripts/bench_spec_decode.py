@@ -1,0 +1,127 @@
+"""Speculative decoding's cost and gain, offline (for the lead to run; not part of `make test`).
+
+    python -m scripts.bench_spec_decode [--model PATH] [--concurrency 1 10] [--num-speculative-tokens 4]
+
+1. The n-gram proposer's cost per step: batch 64 (and --concurrency's sizes) of sequences of 512 and 2048
+   tokens, each step appending one token, as the scheduler calls it.
+2. An input-grounded load: the model (default: the demo model, SmolLM2-135M-Instruct) is asked, through its
+   chat template, to repeat a passage of Python source of about --prompt-tokens tokens; greedy, --output-tokens
+   each. For each concurrency (that many requests in one offline batch) speculation off, then n-gram, then
+   (with --draft-model) a draft model: TPOT (decode time per token after the first, the mean over requests),
+   throughput and the acceptance seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sysconfig
+import time
+from pathlib import Path
+
+
+def proposer_cost_us(batch: int, length: int, steps: int = 200, k: int = 4) -> float:
+    """Median microseconds of one propose() over `batch` growing sequences of `length` tokens."""
+    from engine.config import SamplingParams
+    from engine.sequence import Request
+    from engine.spec_decode.ngram import NgramProposer
+
+    rng = random.Random(0)
+    seqs = [Request(str(i), None, [rng.randrange(32000) for _ in range(length)], SamplingParams()).seqs[0]
+            for i in range(batch)]
+    proposer = NgramProposer(k, 1, 3)
+    times = []
+    for _ in range(steps):
+        for seq in seqs:
+            seq.append_token(rng.randrange(32000), None)
+        start = time.perf_counter()
+        proposer.propose(seqs, [k] * batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def grounded_prompts(tokenizer, num: int, prompt_tokens: int) -> list[list[int]]:
+    """Chat prompts asking to repeat a passage of stdlib source (a different passage per prompt)."""
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    prompts = []
+    for path in sources:
+        ids = tokenizer.encode(path.read_text(errors="ignore"))
+        if len(ids) < prompt_tokens:
+            continue
+        passage = tokenizer.decode(ids[: prompt_tokens - 40])
+        messages = [{"role": "user", "content": f"Repeat the following code exactly, with no comment:\n\n{passage}"}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        if len(prompts) == num:
+            return prompts
+    raise SystemExit(f"only {len(prompts)} stdlib files have {prompt_tokens} tokens")
+
+
+def run_load(model: str, prompts, output_tokens: int, speculative: dict | None) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=model, speculative_config=speculative, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    tpots = []
+    for out in outputs:
+        m, n = out.metrics, len(out.outputs[0].token_ids)
+        if n > 1:
+            tpots.append((m.finished_time - m.first_token_time) / (n - 1))
+    spec = llm.engine.stats().speculation
+    llm.shutdown()
+    return dict(tpot_ms=1e3 * statistics.mean(tpots), tokens_per_s=sum(len(o.outputs[0].token_ids) for o in outputs)
+                / elapsed, acceptance=spec.acceptance_rate if spec else None,
+                mean_accepted=(spec.num_accepted_tokens / spec.num_verifications) if spec and spec.num_verifications
+                else None, tokens=[o.outputs[0].token_ids for o in outputs])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory or .gguf (default: the demo model)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 10])
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-lookup-max", type=int, default=3)
+    parser.add_argument("--draft-model", default=None, help="also measure method draft_model with this model")
+    parser.add_argument("--skip-load", action="store_true", help="only the proposer's cost")
+    args = parser.parse_args(argv)
+
+    print("| batch | tokens per sequence | n-gram proposer per step (µs) |\n|---|---|---|")
+    for batch in sorted({64, *args.concurrency}):
+        for length in (512, 2048):
+            print(f"| {batch} | {length} | {proposer_cost_us(batch, length):.0f} |")
+    if args.skip_load:
+        return
+
+    from engine.checkpoint.demo import ensure_demo_model
+    from engine.checkpoint.loader import load_tokenizer
+
+    model = args.model or str(ensure_demo_model())
+    tokenizer = load_tokenizer(model)
+    methods = {"ngram": {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                         "prompt_lookup_max": args.prompt_lookup_max}}
+    if args.draft_model:
+        methods["draft"] = {"method": "draft_model", "model": args.draft_model,
+                            "num_speculative_tokens": args.num_speculative_tokens}
+    print("\n| concurrency | speculation | TPOT (ms) | tokens/s | acceptance | accepted per step |\n|---|---|---|---|---|---|")
+    for concurrency in args.concurrency:
+        prompts = grounded_prompts(tokenizer, concurrency, args.prompt_tokens)
+        off = run_load(model, prompts, args.output_tokens, None)
+        print(f"| {concurrency} | off | {off['tpot_ms']:.1f} | {off['tokens_per_s']:.1f} | | |")
+        for name, speculative in methods.items():
+            on = run_load(model, prompts, args.output_tokens, speculative)
+            same = "" if on["tokens"] == off["tokens"] else " (outputs differ: near-ties?)"
+            print(f"| {concurrency} | {name} k={args.num_speculative_tokens} | {on['tpot_ms']:.1f} | "
+                  f"{on['tokens_per_s']:.1f} | {on['acceptance']:.2f} | {on['mean_accepted']:.2f}{same} |")
+            print(f"|  | {name} / off | {on['tpot_ms'] / off['tpot_ms']:.2f}x | "
+                  f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x | | |")
+
+
+if __name__ == "__main__":
+    main()
