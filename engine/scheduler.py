@@ -41,6 +41,12 @@ from engine.stopping import StopChecker
 
 logger = logging.getLogger("shardserve.engine")
 
+# A sequence whose proposals all miss this many verifications in a row stops proposing for 1 output token,
+# then 2, 4, ... up to SPEC_MAX_PAUSE_TOKENS (one accepted proposal resets it): a load that does not repeat
+# itself (random prompts) then runs at about the speed of speculation off. Exactness does not depend on it.
+SPEC_MISSES_BEFORE_PAUSE = 2
+SPEC_MAX_PAUSE_TOKENS = 32
+
 
 @dataclass
 class ScheduledChunk:
@@ -267,6 +273,8 @@ class Scheduler:
         for seq in self.running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.num_output_tokens or seq.grammar is not None:
                 continue
+            if seq.num_output_tokens < seq.spec_resume_at:
+                continue  # its recent proposals all missed: decode plainly for a while
             # every accepted proposal is one more output token, and the target adds one of its own
             limit = min(seq.sampling_params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
             if limit > 0:
@@ -306,6 +314,11 @@ class Scheduler:
         roll the computed tokens and the block table back past the first rejected proposal."""
         accepted = num_accepted(proposals, [token.token_id for token in tokens])
         seq.num_computed_tokens += 1 + accepted  # the last token and the accepted proposals have their K/V
+        # speculation that keeps missing costs k extra tokens a step for nothing: back off, doubling the pause
+        seq.spec_misses = 0 if accepted else seq.spec_misses + 1
+        if seq.spec_misses >= SPEC_MISSES_BEFORE_PAUSE:
+            pause = min(2 ** (seq.spec_misses - SPEC_MISSES_BEFORE_PAUSE), SPEC_MAX_PAUSE_TOKENS)
+            seq.spec_resume_at = seq.num_output_tokens + accepted + 1 + pause
         emitted = 0
         for token in tokens[: accepted + 1]:
             emitted += 1

@@ -83,6 +83,10 @@ class Sequence:
         self.sampling_seed = sequence_seed(seed, index) if seed is not None else secrets.randbits(64)
         # the request's constraint, matched over this sequence's outputs (engine/structured_output/)
         self.grammar: SequenceGrammar | None = None
+        # speculative decoding's back-off (engine/scheduler.py): verifications in a row that kept no proposal,
+        # and the output length before which this sequence proposes nothing
+        self.spec_misses = 0
+        self.spec_resume_at = 0
         # detokenizer state (engine/detokenizer.py)
         self.text = ""
         self.num_emitted_chars = 0

@@ -15,9 +15,11 @@ from scheduler_steps import scheduler_with_fixed_tokens
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.sampler import SampledToken, sample
+from engine.scheduler import Scheduler
 from engine.sequence import Request
 from engine.spec_decode.ngram import NgramProposer, propose_ngram
 from engine.spec_decode.verify import SpeculativeRow, num_accepted, sampling_rows
+from engine.stopping import StopChecker
 from kernels.backend import get_backend
 
 SPECULATIVE = {"num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -134,6 +136,39 @@ def test_rejected_proposals_roll_back_computed_tokens_and_the_blocks_only_they_n
     assert scheduler.block_manager.num_free_blocks == 14
     spec = scheduler.spec_stats
     assert (spec.num_proposed_tokens, spec.num_accepted_tokens, spec.num_emitted_tokens) == (3, 0, 1)
+    scheduler.block_manager.check_invariants([seq])
+
+
+class AlwaysProposes:
+    """A proposer that proposes 1, 2, 3 for every sequence: the scheduler's back-off is what is tested."""
+
+    def propose(self, seqs, max_proposals):
+        return [[1, 2, 3][:limit] for limit in max_proposals]
+
+    def forget(self, seq):
+        pass
+
+
+def test_a_sequence_whose_proposals_keep_missing_pauses_them_and_one_hit_resumes():
+    config = EngineConfig(model="unused", block_size=4, max_num_batched_tokens=64, watermark=0.0,
+                          enable_prefix_caching=False, speculative_config={"num_speculative_tokens": 3})
+    scheduler = Scheduler(config, 64, 0, StopChecker((), 1 << 20, None), proposer=AlwaysProposes())
+    seq = prefilled(scheduler, [5, 6, 7], 5, max_tokens=200)
+
+    def one_step(follows: bool) -> bool:
+        out = scheduler.schedule()
+        (chunk,) = out.chunks
+        step(scheduler, out, [1, 2, 3, 4] if follows and chunk.proposals else [9] * (1 + len(chunk.proposals)))
+        return bool(chunk.proposals)
+
+    proposed = [one_step(follows=False) for _ in range(14)]  # the target never follows
+    # 2 misses, a pause of 1 output token, a miss, a pause of 2, a miss, 4, a miss, 8 ...
+    assert proposed == [True, True, False, True, False, False, True] + [False] * 4 + [True, False, False]
+    assert seq.spec_misses == 5
+    while not one_step(follows=True):  # the paused sequence's next verification keeps all three
+        pass
+    assert seq.spec_misses == 0 and seq.token_ids[-4:] == [1, 2, 3, 4]
+    assert [one_step(follows=False) for _ in range(3)] == [True, True, False]  # the back-off starts over
     scheduler.block_manager.check_invariants([seq])
 
 
