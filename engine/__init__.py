@@ -1,8 +1,14 @@
 """shardserve's engine: one replica's scheduler, KV cache and model runner."""
 
+from typing import TYPE_CHECKING
+
 from engine.config import EngineConfig, ModelConfig, SamplingParams
 from engine.errors import EngineDeadError, EngineError, InvalidRequestError, ModelLoadError
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+
+if TYPE_CHECKING:  # the engine classes load lazily (__getattr__ below)
+    from engine.async_engine import AsyncLLMEngine
+    from engine.llm_engine import LLM, LLMEngine
 
 __all__ = [
     "LLM",

@@ -221,5 +221,6 @@ def main(argv=None) -> None:
         body = f"{table}\n\nCommand: `python -m scripts.bench_serve_overhead --write-doc`"
         rewrite_block(BEGIN, END, body, "Serving path overhead")
 
+
 if __name__ == "__main__":
     main()

@@ -111,7 +111,6 @@ class GrammarCompiler:
             ) from None
 
 
-
 # xgrammar 0.2 writes a string with minLength/maxLength as `"\"" chars{m, n} "\""` with chars
 # `[^\"\\\r\n]`, which lets raw control characters (U+0000-U+001F) into the string: invalid JSON that
 # json.loads and pydantic refuse. Random weights find it within 50 requests. Its unbounded strings

@@ -155,6 +155,7 @@ def test_client_leaving_mid_stream_frees_its_kv_blocks(base_url):
             busy = http.get("/engine/stats").json()
             assert busy["num_running"] == 1 and busy["num_free_blocks"] < idle["num_free_blocks"]
         # leaving the `with` closes the connection mid-stream
+
         def back_to_idle() -> bool:
             stats = http.get("/engine/stats").json()
             return stats["num_running"] == 0 and stats["num_free_blocks"] == idle["num_free_blocks"]
