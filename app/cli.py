@@ -100,6 +100,12 @@ def connect_to_ray(args: ServeArgs, ray_address: str | None) -> bool:
     return True
 
 
+def _is_loopback(ray_address: str) -> bool:
+    """Whether a Ray address (host:port, or ray://host:port) names this machine's loopback interface."""
+    host = ray_address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
 def finishes_within(timeout_s: float, step) -> bool:
     """Run `step` on a daemon thread; False if it has not returned within timeout_s (it is then left behind)."""
     thread = threading.Thread(target=step, name="shardserve-shutdown", daemon=True)
@@ -113,8 +119,9 @@ def serve(args: ServeArgs, ray_address: str | None = None) -> None:
     own; block until Ctrl-C or SIGTERM, then drain."""
     from app.proxy_errors import use_openai_errors_in_serve_proxy
 
-    # Set before Ray starts: every Ray port then listens on 127.0.0.1 only.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_on_loopback = ray_address is None or ray_address == "auto" or _is_loopback(ray_address)
+    if ray_on_loopback:  # set before Ray starts: every Ray port then listens on 127.0.0.1 only
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     use_openai_errors_in_serve_proxy()  # and Serve's own 429 and 503 come in OpenAI's shape
     from ray import serve as ray_serve
 
@@ -122,7 +129,9 @@ def serve(args: ServeArgs, ray_address: str | None = None) -> None:
     from app.drain import ClusterGone, drain_application, start_coordinator
 
     scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from other machines"
-    logger.info("binding HTTP to %s:%d (%s); Ray ports listen on 127.0.0.1 only", args.host, args.port, scope)
+    ray_scope = ("Ray ports listen on 127.0.0.1 only" if ray_on_loopback else
+                 f"Ray talks on this machine's address, to the cluster at {ray_address}")
+    logger.info("binding HTTP to %s:%d (%s); %s", args.host, args.port, scope, ray_scope)
     own_cluster = connect_to_ray(args, ray_address)
     stop, hurry = threading.Event(), threading.Event()  # the first signal drains, a second one stops at once
     cluster_gone = False
@@ -218,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                               help="the model to serve, as vLLM takes it: the same as --model")
     serve_parser.add_argument("--ray-address", default=None, metavar="ADDR", help=(
         "join the running Ray cluster at ADDR (host:port of its GCS, or auto: the one `ray start` left on this "
-        "machine) instead of starting a local one; the application is deleted from it on exit"))
+        "machine) instead of starting a local one; the application is deleted from it on exit. With auto or a "
+        "127.0.0.1 address Ray stays on loopback; with another host it talks on this machine's address"))
     add_serve_flags(serve_parser)
     make_model = subparsers.add_parser("make-model", help="write a small random-weight model directory",
                                        add_help=False)

@@ -47,7 +47,10 @@ class ServeArgs(BaseModel):
     dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = engine_field("dtype", (
         "dtype of weights and activations; auto: the checkpoint's (bfloat16 for float16 on CPU; for GGUF "
         "bfloat16 where the hardware has it, else float32)"))
-    device: Literal["auto", "cpu", "cuda"] = engine_field("device", "auto: cuda when a GPU is visible, else cpu")
+    device: Literal["auto", "cpu", "cuda"] = engine_field("device", (
+        "cuda: Ray reserves one GPU per rank; auto: so does it where the Ray cluster has GPUs when the app "
+        "deploys, else cpu (a fleet whose GPU nodes join later says cuda); each replica runs on what Ray reserved "
+        "for it"))
     max_num_seqs: int = engine_field("max_num_seqs", "most sequences in one engine batch")
     max_num_batched_tokens: int | None = engine_field("max_num_batched_tokens", (
         "most tokens one engine step computes (default: 2048 on CPU, vLLM's CPU API-server default: short "

@@ -40,6 +40,8 @@ ABORT_GRACE_S = 5.0
 POLL_S = 0.05
 # the longest the CLI waits on one call to the coordinator or Serve's controller before taking the cluster for gone
 CLUSTER_CALL_TIMEOUT_S = 5.0
+# how often the drain asks Serve's controller which replicas it still lists
+LIVE_REPLICAS_PERIOD_S = 1.0
 
 
 class ClusterGone(Exception):
@@ -180,8 +182,10 @@ def drain_application(coordinator, app_name: str, timeout_s: float, hurry: threa
     give_up = time.monotonic() + timeout_s + ABORT_GRACE_S + 1.0
     try:
         answer(coordinator.begin.remote(timeout_s), cluster_alive)
+        listed_at = -LIVE_REPLICAS_PERIOD_S
         while True:
-            live = live_replicas(app_name, cluster_alive)
+            if time.monotonic() - listed_at >= LIVE_REPLICAS_PERIOD_S:  # the controller's details are not cheap
+                live, listed_at = live_replicas(app_name, cluster_alive), time.monotonic()
             pending = answer(coordinator.pending.remote(live), cluster_alive)
             if not pending or time.monotonic() > give_up or hurry.wait(POLL_S):
                 return pending

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.cli import _is_loopback
 from tests.app.conftest import free_port
 from tests.app.test_serve_scaling import _listening_sockets_of_process_tree, _process_tree
 
@@ -76,6 +77,11 @@ def stop(server: subprocess.Popen) -> None:
     if server.poll() is None:
         server.kill()
         server.wait()
+
+
+def test_ray_stays_on_loopback_unless_the_cluster_joined_is_on_another_host():
+    assert all(map(_is_loopback, ["127.0.0.1:6379", "ray://localhost:10001", "[::1]:6379"]))
+    assert not any(map(_is_loopback, ["10.0.0.5:6379", "ray-head.shardserve.svc:6379"]))
 
 
 def complete(port: int) -> httpx.Response:

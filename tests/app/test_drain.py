@@ -102,6 +102,16 @@ async def test_the_coordinator_hands_out_the_time_left_and_tracks_which_replicas
     assert coordinator.pending() == []
 
 
+def test_the_drain_waits_only_for_replicas_serve_still_lists():
+    # a replica that died (its engine, a TP worker, its node) never unregisters nor reports
+    coordinator = DrainCoordinator()
+    for replica in ("dead", "replacement", "other"):
+        coordinator.register(replica)
+    coordinator.report_drained("other")
+    assert coordinator.pending(live=["replacement", "other", "ingress"]) == ["replacement"]
+    assert coordinator.pending() == ["dead", "replacement"]
+
+
 async def test_a_request_aborted_at_the_deadline_returns_its_partial_text_with_finish_reason_abort(tiny_llama_dir):
     """What a non-streaming client sees when the drain's deadline passes: 200, the text so far, "abort"."""
     async with AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32")) as engine:

@@ -24,7 +24,7 @@ def report(address: str) -> dict:
     finally:
         ray.shutdown()
     return {
-        "replicas": {name: [{"replica_id": r["replica_id"], "node_id": r["node_id"], "state": r["state"]}
+        "replicas": {name: [{"replica_id": r["replica_id"], "node_id": r.get("node_id"), "state": r["state"]}
                             for r in deployment["replicas"]]
                      for app in details.get("applications", {}).values()
                      for name, deployment in app["deployments"].items()},

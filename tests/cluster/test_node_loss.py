@@ -100,6 +100,7 @@ async def test_a_lost_node_cuts_its_started_streams_and_the_rest_complete(ray_no
         # a replacement node joins, as KubeRay's autoscaler would add one for the pending replica (on this
         # thread: Ray's Node installs a signal handler; the streams' bytes wait in their sockets meanwhile)
         ray_nodes.cluster.add_node(num_cpus=WORKER_CPUS, resources={ACCELERATOR: ACCELERATORS_PER_NODE})
+        node_added_s = time.monotonic() - lost_at
         results = await asyncio.wait_for(asyncio.gather(*tasks), STREAM_BOUND_S)
         while len(running_replicas(ray_nodes)) < 2:
             assert time.monotonic() - removal_began < 180, "the lost replica was not replaced"
@@ -111,7 +112,7 @@ async def test_a_lost_node_cuts_its_started_streams_and_the_rest_complete(ray_no
     resent = log.read_text().count("(call 1 of ")
     print(f"node loss: {outcomes.count('completed')} completed, {outcomes.count('cut')} cut, {resent} re-sent, "
           f"of {REQUESTS}; two replicas again {full_width_s:.1f} s after the loss began "
-          f"({lost_at - removal_began:.1f} s of it removing the node)")
+          f"(removing the node {lost_at - removal_began:.1f} s, adding one {node_added_s:.1f} s)")
     assert set(outcomes) <= {"completed", "cut"}, outcomes  # none lost silently, none broken
     assert outcomes.count("cut") >= 1  # the node held streams: it was lost under load
     for result, kind in zip(results, outcomes, strict=True):
