@@ -291,7 +291,8 @@ class ModelRunner:
             self.backend, self.kv_caches[0], self.model.model.layers[0].self_attn.num_heads, self.max_model_len,
             self.config.max_num_seqs,
         )
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def _use_cpu_threads(self) -> None:

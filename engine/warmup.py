@@ -23,21 +23,32 @@ def _integer_class(value: int) -> str:
 
 
 def decode_warmup_shapes(
-    num_kv_heads: int, block_size: int, max_model_len: int, max_num_seqs: int, device: torch.device
+    num_heads: int, num_kv_heads: int, block_size: int, max_model_len: int, max_num_seqs: int, device: torch.device
 ) -> list[tuple[int, int]]:
-    """(num_seqs, max_blocks) of one decode launch per variant the engine's steps can reach: every split-K
-    partition count (each has its own strides and BLOCK_S), each with the block table's width equal to 1,
-    a multiple of 16, or neither."""
+    """(num_seqs, max_blocks) of one decode launch per variant the engine's steps can reach: with split-K or
+    without, each BLOCK_S (the partition count's power of two) with the partition count's strides divisible
+    by 16 or not, each with the block table's width equal to 1, a multiple of 16, or neither."""
     from kernels.decode_attention_triton import context_partitions
 
     max_blocks_limit = -(-max_model_len // block_size)
-    # from this batch on, (sequence, KV head) programs fill the GPU: no batch splits, all launch alike
-    no_split_from = -(-2 * multiprocessor_count(device) // num_kv_heads)
-    shapes: dict[tuple[int, str], tuple[int, int]] = {}
-    for num_seqs in range(1, min(max_num_seqs, no_split_from) + 1):
+    programs_to_fill = 2 * multiprocessor_count(device)
+    shapes: dict[tuple, tuple[int, int]] = {}
+    caps_seen = set()
+    for num_seqs in range(1, max_num_seqs + 1):
+        # the partition count is capped by the programs a batch leaves to fill: batches of one cap launch alike
+        cap = -(-programs_to_fill // (num_seqs * num_kv_heads))
+        if cap in caps_seen:
+            continue
+        caps_seen.add(cap)
         for max_blocks in range(1, max_blocks_limit + 1):
             num_splits, _ = context_partitions(num_seqs, num_kv_heads, max_blocks * block_size, device)
-            shapes.setdefault((num_splits, _integer_class(max_blocks)), (num_seqs, max_blocks))
+            split = num_splits > 1
+            variant = (split, 1 << (num_splits - 1).bit_length() if split else 0,
+                       split and _integer_class(num_splits), split and _integer_class(num_heads * num_splits),
+                       _integer_class(max_blocks))
+            shapes.setdefault(variant, (num_seqs, max_blocks))
+        if cap == 1:  # from here on (sequence, KV head) programs fill the GPU without splitting
+            break
     return sorted(shapes.values())
 
 
@@ -61,7 +72,8 @@ def warm_up_attention(
     device, dtype = kv_cache.device, kv_cache.dtype
     scale = head_dim**-0.5
     launches = 0
-    for num_seqs, max_blocks in decode_warmup_shapes(num_kv_heads, block_size, max_model_len, max_num_seqs, device):
+    shapes = decode_warmup_shapes(num_heads, num_kv_heads, block_size, max_model_len, max_num_seqs, device)
+    for num_seqs, max_blocks in shapes:
         query = torch.zeros(num_seqs, num_heads, head_dim, dtype=dtype, device=device)
         tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=device)
         lens = torch.full((num_seqs,), max_blocks * block_size, dtype=torch.int32, device=device)

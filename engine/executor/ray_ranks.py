@@ -48,12 +48,14 @@ NODE_AFFINITY = 0.001
 class WorkerStartError(EngineError):
     """The tensor-parallel ranks could not be placed, started or connected."""
 
+
 def failure_key(rank: int) -> str:
     return f"failed/{rank}"
 
 
 def joined_key(rank: int) -> str:
     return f"joined/{rank}"
+
 
 @ray.remote(max_concurrency=2)  # `run` holds one thread for the engine's life; queries use the other
 class TensorParallelWorker:
@@ -121,6 +123,7 @@ class TensorParallelWorker:
     def memory(self) -> RankMemory | None:
         return None if self.runner is None else measure_memory(self.runner)
 
+
 def ensure_ray(world_size: int) -> None:
     """Connect to Ray if this process is not: the cluster RAY_ADDRESS names, else a new local one
     of this process's own (never an unrelated `ray start` cluster that happens to run here)."""
@@ -137,6 +140,7 @@ def ensure_ray(world_size: int) -> None:
         num_cpus=max(os.cpu_count() or 1, world_size),  # CPU bundles are logical: TP=4 fits on 2 cores
         logging_level=logging.WARNING,
     )
+
 
 @dataclass
 class WorkerPlacement:
@@ -223,6 +227,7 @@ class Rank0Reservation:
 
     def gpu_ids(self) -> list[str]:
         return [str(gpu) for gpu in ray.get_gpu_ids()]
+
 
 class StartedRanks:
     """What a tensor-parallel executor started besides its own shard: ranks 1..tp-1, their placement,

@@ -204,6 +204,7 @@ class TensorParallelExecutor:
             return f"worker rank {rank} left its loop"
         return None
 
+
 def _describe(failure: BaseException | str) -> str:
     if isinstance(failure, BaseException):
         return f"{type(failure).__name__}: {failure}"

@@ -13,10 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
-from engine.model_runner import StepInput, profile_step
+from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner, StepInput
 from engine.models import model_class_for
-from engine.warmup import warm_up_attention, warm_up_sampling
 from kernels.backend import get_backend
 from kernels.triton_variants import record_launches
 from parallel.state import ParallelContext
@@ -88,15 +87,16 @@ class MetaEngine:
         self.backend.sample_tokens(logits, *sampler_inputs)
         return logits
 
-    @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
-        """What ModelRunner runs at start-up on a GPU (engine/warmup.py), here on meta tensors."""
-        step = profile_step(max_num_batched_tokens, max_num_seqs, max_model_len, self.block_size).to(META)
-        with torch.device(META):
-            caches = [torch.empty_like(cache[:, :, :1]) for cache in self.kv_caches]
-        hidden = self.model(step.input_ids, step.positions, caches, step.meta)
-        warm_up_sampling(self.backend, self.model.compute_logits(hidden.index_select(0, step.sample_indices)))
-        warm_up_attention(self.backend, self.kv_caches[0], self.config.num_attention_heads, max_model_len, max_num_seqs)
+        """ModelRunner.warm_up itself (what a GPU engine runs at start-up), on this meta model: the runner's
+        fields it reads are set here rather than by loading a checkpoint."""
+        runner = object.__new__(ModelRunner)
+        runner.config = EngineConfig(model="meta", block_size=self.block_size, max_num_seqs=max_num_seqs,
+                                     max_num_batched_tokens=max_num_batched_tokens)
+        runner.model_config, runner.model, runner.backend = self.config, self.model, self.backend
+        runner.device, runner.dtype, runner.max_model_len = META, self.kv_caches[0].dtype, max_model_len
+        runner.kv_caches, runner._profiled = self.kv_caches, False
+        runner.warm_up()
 
 
 @contextmanager

@@ -105,3 +105,30 @@ def test_ranks_on_different_nodes_or_sharing_a_gpu_are_refused_before_any_group_
     assert rendezvous_host([here, RankPlace(1, "10.0.0.1", ("1",), None)]) == "10.0.0.1"
     with pytest.raises(GpuPlacementError, match="ranks 0 and 1 were both given GPU 0"):
         check_distinct_gpus([here, RankPlace(1, "10.0.0.1", ("0",), None)])
+
+
+def test_the_nccl_group_is_bound_to_the_ranks_own_gpu_from_the_start(monkeypatch):
+    """torch's ProcessGroupNCCL, stood in for (this torch has no NCCL): made, then connected on the rank's device."""
+    import torch
+    import torch.distributed as dist
+
+    from parallel.state import init_parallel_context
+
+    made = []
+
+    class FakeNCCL:
+        Options = type("Options", (), {})
+
+        def __init__(self, store, rank, world_size, options):
+            made.append(self)
+            self.connected_on = None
+
+        def eager_connect_single_device(self, device):
+            self.connected_on = device
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    context = init_parallel_context(dist.HashStore(), 0, 1, "cuda", device=torch.device("cuda", 3))
+    assert made == [context.group] and context.group.connected_on == torch.device("cuda", 3)
+    with pytest.raises(ValueError, match="needs this rank's CUDA device"):
+        init_parallel_context(dist.HashStore(), 0, 1, "cuda")
