@@ -15,11 +15,11 @@ Triton sampler and the grammar mask at vocab 151,936; the swap path; TP=2 as two
 GPU through a stand-in (gloo) group, against TP=1. A failed step is a FAILED row and the run goes on; the
 exit status is 1 if any step failed. Every row is also written to --out (gpu_check.md, gpu_check.json).
 
-The device run. The GPU machine's image (docs in /work/.library/device/KINDS.md) has python3 3.12 with
+The device run. The GPU machine's image (the device tool's notes describe it) has python3 3.12 with
 torch (CUDA), triton, transformers, tokenizers, safetensors and numpy, but not pydantic, which the engine
 needs: `--fetch-wheels .whl` downloads it here and `--wheels .whl` installs it there (`.whl` is carried).
 The demo model's GGUF (94 MiB) is more than one call carries (64 MiB): `--split-demo` cuts it in two,
-one call carries the first part into /tmp, the next the second (`--demo-parts`); without them the engine
+one call carries the first part to a folder outside the working tree, the next the second (`--demo-parts`); without them the engine
 steps run a random model of the bench shape in bfloat16 instead, and say so.
 """
 
@@ -29,6 +29,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import contextmanager
@@ -97,8 +98,8 @@ class Report:
 
 
 def install_wheels(folder: Path) -> None:
-    """pip-install the carried wheels into /tmp/site (no index: the GPU machine reaches nothing) and use them."""
-    site = Path("/tmp/site")
+    """pip-install the carried wheels into a temporary folder (no index: the GPU machine reaches nothing) and use them."""
+    site = Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--upgrade", "--target", str(site), *map(str, sorted(folder.glob("*.whl")))], check=True)
     sys.path.insert(0, str(site))
