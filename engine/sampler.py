@@ -128,11 +128,12 @@ def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tenso
     biased = [(row, seq.sampling_params.logit_bias) for row, seq in enumerate(seqs) if seq.sampling_params.logit_bias]
     if not biased:
         return logits
-    rows = torch.tensor([row for row, bias in biased for _ in bias], dtype=torch.long)
-    ids = torch.tensor([token for _, bias in biased for token in bias], dtype=torch.long)
+    device = logits.device
+    rows = _to_logits_device(torch.tensor([row for row, bias in biased for _ in bias], dtype=torch.long), device)
+    ids = _to_logits_device(torch.tensor([token for _, bias in biased for token in bias], dtype=torch.long), device)
     values = torch.tensor([value for _, bias in biased for value in bias.values()], dtype=logits.dtype)
     logits = logits.clone()
-    logits.index_put_((rows.to(logits.device), ids.to(logits.device)), values.to(logits.device), accumulate=True)
+    logits.index_put_((rows, ids), _to_logits_device(values, device), accumulate=True)
     return logits
 
 
