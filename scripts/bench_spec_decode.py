@@ -5,8 +5,8 @@
 1. The n-gram proposer's cost per step: batch 64 (and --concurrency's sizes) of sequences of 512 and 2048
    tokens, each step appending one token, as the scheduler calls it.
 2. An input-grounded load: the model (default: the demo model, SmolLM2-135M-Instruct) is asked, through its
-   chat template, to repeat a passage of Python source of about --prompt-tokens tokens; greedy, --output-tokens
-   each. For each concurrency (that many requests in one offline batch) speculation off, then n-gram, then
+   chat template, to repeat or lightly edit a passage of Python source of about --prompt-tokens tokens (the
+   prompts of `shardserve bench --dataset-name grounded`, bench/grounded.py); greedy, --output-tokens each. For each concurrency (that many requests in one offline batch) speculation off, then n-gram, then
    (with --draft-model) a draft model: TPOT (decode time per token after the first, the mean over requests),
    throughput and the acceptance seen.
 """
@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sysconfig
 import time
-from pathlib import Path
+
+from bench.grounded import GroundedPromptBuilder
 
 
 def proposer_cost_us(batch: int, length: int, steps: int = 200, k: int = 4) -> float:
@@ -41,21 +41,10 @@ def proposer_cost_us(batch: int, length: int, steps: int = 200, k: int = 4) -> f
     return statistics.median(times) * 1e6
 
 
-def grounded_prompts(tokenizer, num: int, prompt_tokens: int) -> list[list[int]]:
-    """Chat prompts asking to repeat a passage of stdlib source (a different passage per prompt)."""
-    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    prompts = []
-    for path in sources:
-        ids = tokenizer.encode(path.read_text(errors="ignore"))
-        if len(ids) < prompt_tokens:
-            continue
-        passage = tokenizer.decode(ids[: prompt_tokens - 40])
-        messages = [{"role": "user", "content": f"Repeat the following code exactly, with no comment:\n\n{passage}"}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
-        if len(prompts) == num:
-            return prompts
-    raise SystemExit(f"only {len(prompts)} stdlib files have {prompt_tokens} tokens")
+def grounded_prompts(tokenizer, num: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
+    """The token ids of `num` grounded chat prompts (`shardserve bench --dataset-name grounded`'s, for --seed)."""
+    builder = GroundedPromptBuilder(tokenizer, prompt_tokens, endpoint="chat", seed=seed)
+    return [builder.token_ids(message) for message in builder.build(num)]
 
 
 def run_load(model: str, prompts, output_tokens: int, speculative: dict | None) -> dict:

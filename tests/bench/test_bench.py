@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import math
 import random
 import socket
 import threading
@@ -13,12 +14,14 @@ import time
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
 
 from bench.cli import main
 from bench.client import poisson_arrival_offsets
+from bench.grounded import TASKS, GroundedPromptBuilder, stdlib_source_files
 from bench.prompts import PromptBuilder, PromptLengthError, load_tokenizer
-from bench.run import BenchArgs, run_bench
+from bench.run import BenchArgs, run_bench, save_dataset
 
 PROMPT_TOKENS = 32
 OUTPUT_TOKENS = 8
@@ -80,12 +83,17 @@ class FakeOpenAIServer:
     `api_key`: requests without it get OpenAI's 401. `refuse_every_other`: every second request gets a 503.
     `short_by`: generate that many tokens fewer than max_tokens (a server that ignores ignore_eos).
     `fail_after`: send an error event instead of the rest of the stream after that many tokens.
+    `spec_decode_per_request`: serve /metrics with vLLM's speculative decoding counters (two replicas'
+    series), which every finished request advances by (drafts, draft tokens, accepted tokens); else no /metrics.
     """
 
     def __init__(
-        self, tokenizer, tokenizer_dir, api_key=None, refuse_every_other=False, short_by=0, fail_after=None
+        self, tokenizer, tokenizer_dir, api_key=None, refuse_every_other=False, short_by=0, fail_after=None,
+        spec_decode_per_request=None,
     ):
         self.tokenizer = tokenizer
+        self.spec_decode_per_request = spec_decode_per_request
+        self.spec_decode_totals = [0, 0, 0]
         self.api_key = api_key
         self.refuse_every_other = refuse_every_other
         self.short_by = short_by
@@ -103,6 +111,8 @@ class FakeOpenAIServer:
         )
         app.post("/v1/completions")(self._handler("completions"))
         app.post("/v1/chat/completions")(self._handler("chat"))
+        if spec_decode_per_request is not None:
+            app.get("/metrics")(self._metrics)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -120,6 +130,17 @@ class FakeOpenAIServer:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(timeout=20)
+
+    def _metrics(self):
+        lines = ["# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts."]
+        for name, total in zip(("num_drafts", "num_draft_tokens", "num_accepted_tokens"), self.spec_decode_totals,
+                               strict=True):
+            lines.append(f"# TYPE vllm:spec_decode_{name} counter")
+            # two replicas' series of one total, split unevenly: the client sums over labels
+            lines += [f'vllm:spec_decode_{name}_total{{replica="a"}} {total // 3}',
+                      f'vllm:spec_decode_{name}_total{{replica="b"}} {total - total // 3}']
+        lines.append('vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 99999')  # not a total
+        return PlainTextResponse("\n".join(lines) + "\n")
 
     def _handler(self, endpoint):
         async def handle(request: Request):
@@ -172,6 +193,9 @@ class FakeOpenAIServer:
                     "total_tokens": prompt_tokens + num_tokens,
                 }
                 yield chunk({}, usage=usage, choices=False)
+            if self.spec_decode_per_request is not None:  # counted before the client can see the end
+                self.spec_decode_totals = [t + d for t, d in zip(self.spec_decode_totals,
+                                                                   self.spec_decode_per_request, strict=True)]
             yield "data: [DONE]\n\n"
         finally:
             self.in_flight -= 1
@@ -249,6 +273,130 @@ def test_a_prompt_with_no_room_for_content_is_refused(any_tokenizer):
         PromptBuilder(any_tokenizer, 5, endpoint="chat")  # the template alone is longer
     with pytest.raises(PromptLengthError, match="shared_prefix_tokens"):
         PromptBuilder(any_tokenizer, 16, shared_prefix_tokens=16)
+
+
+# ---- the grounded dataset ---------------------------------------------------------------------------------
+
+
+def _server_count(tokenizer, endpoint: str, sent: str) -> int:
+    """usage.prompt_tokens as a server counts it (the fake server's way, independent of the builder)."""
+    if endpoint == "chat":
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": sent}], add_generation_prompt=True)
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return len(tokenizer(sent)["input_ids"])
+
+
+def _chat_text(tokenizer, message: str) -> str:
+    """What vLLM's custom dataset sends for a message: the chat template applied by the client."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
+    )
+
+
+@pytest.fixture(scope="module")
+def stdlib_text() -> str:
+    return "\n".join(path.read_text(errors="replace") for path in stdlib_source_files())
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_grounded_prompts_quote_stdlib_code_at_the_token_target_as_the_server_counts_them(
+    any_tokenizer, endpoint, stdlib_text
+):
+    builder = GroundedPromptBuilder(any_tokenizer, 256, endpoint=endpoint, seed=0)
+    messages = builder.build(30)
+    assert len(set(messages)) == 30
+    sent = [builder.render(m) for m in messages]
+    assert sent == (messages if endpoint == "chat" else [_chat_text(any_tokenizer, m) for m in messages])
+    counts = [_server_count(any_tokenizer, endpoint, text) for text in sent]
+    assert counts == [builder.count_tokens(text) for text in sent]  # what the usage check expects
+    assert all(abs(count - 256) <= 4 for count in counts), counts
+    assert counts.count(256) >= 27, counts  # exact where trimming lands
+    tasks = set()
+    for message in messages:
+        instruction, passage = message.split(":\n\n", 1)
+        tasks.add(next(i for i, task in enumerate(TASKS) if task.startswith(instruction.split("`")[0])))
+        assert passage.splitlines()[0].strip() in stdlib_text  # a passage of real source
+        if "renamed to" in instruction:
+            old = instruction.split("`")[1]
+            assert passage.count(old) >= 2  # something to rename
+    assert tasks == {0, 1, 2}  # repeat, rename, drop comments
+
+
+def test_grounded_prompts_are_the_same_for_a_seed_and_differ_across_seeds(any_tokenizer):
+    def build(seed):
+        return GroundedPromptBuilder(any_tokenizer, 256, endpoint="chat", seed=seed).build(6)
+
+    assert build(7) == build(7)
+    assert build(7) != build(8)
+
+
+def test_grounded_prompts_need_a_chat_template_and_room_for_a_passage(tokenizer_dir, tokenizer):
+    bare = load_tokenizer(tokenizer_dir)
+    bare.chat_template = None
+    with pytest.raises(PromptLengthError, match="chat template"):
+        GroundedPromptBuilder(bare, 512)
+    with pytest.raises(PromptLengthError, match="no room"):
+        GroundedPromptBuilder(tokenizer, 20)
+
+
+def test_the_grounded_dataset_is_a_vllm_flag_value_without_random_only_settings():
+    assert bench_settings("--dataset-name", "grounded").dataset_name == "grounded"
+    assert bench_settings().dataset_name == "random"
+    with pytest.raises(ValidationError, match="shared-prefix-tokens"):
+        bench_settings("--dataset-name", "grounded", "--shared-prefix-tokens", "16")
+    with pytest.raises(ValidationError, match="save-dataset"):
+        bench_settings("--save-dataset", "prompts.jsonl")  # the random dataset: vLLM has its own
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_the_saved_grounded_dataset_is_what_the_bench_sent_in_vllm_customs_shape(
+    tokenizer, tokenizer_dir, tmp_path, endpoint
+):
+    saved = tmp_path / "grounded.jsonl"
+    with FakeOpenAIServer(tokenizer, tokenizer_dir) as server:
+        argv = [
+            "--base-url", server.base_url, "--dataset-name", "grounded", "--endpoint", endpoint,
+            "--prompt-tokens", "96", "--output-tokens", "4", "--num-prompts", "2,3", "--concurrency", "1,2",
+            "--num-warmups", "1", "--seed", "5", "--save-dataset", str(saved), "--no-progress",
+        ]
+        assert main(argv) == 0
+    rows = [json.loads(line) for line in saved.read_text().splitlines()]
+    # vLLM's CustomDataset: a "prompt" per line, the user message it applies the chat template to, and an
+    # integer "output_tokens" (used with --custom-output-len -1)
+    assert [sorted(row) for row in rows] == [["output_tokens", "prompt"]] * 5
+    assert all(isinstance(row["prompt"], str) and row["output_tokens"] == 4 for row in rows)
+    measured = server.bodies[1:]  # after the warm-up request, which is not in the file
+    if endpoint == "chat":
+        sent = [b["messages"][0]["content"] for b in measured]
+        assert sorted(sent) == sorted(row["prompt"] for row in rows)
+    else:  # what vLLM's client sends with --backend vllm: the message in the chat template
+        sent = [b["prompt"] for b in measured]
+        assert sorted(sent) == sorted(_chat_text(tokenizer, row["prompt"]) for row in rows)
+    assert server.bodies[0] not in measured
+
+    without_server = tmp_path / "again.jsonl"
+    save_dataset(
+        BenchArgs(dataset_name="grounded", endpoint=endpoint, tokenizer=tokenizer_dir, prompt_tokens=96,
+                  output_tokens=4, num_prompts=[2, 3], concurrency=[1, 2], warmup=1, seed=5),
+        str(without_server),
+    )
+    assert without_server.read_text() == saved.read_text()
+
+
+async def test_a_speculating_servers_acceptance_over_each_run_is_printed(tokenizer, tokenizer_dir, capsys):
+    # per request: 3 verifications of 4 proposals each, 9 accepted
+    with FakeOpenAIServer(tokenizer, tokenizer_dir, spec_decode_per_request=(3, 12, 9)) as server:
+        server.spec_decode_totals = [100, 400, 0]  # up a while with nothing accepted: totals would say 9n/(400+12n)
+        result = await run_bench(_args(server, num_prompts=[4, 2], concurrency=[2, 1], warmup=1))
+    assert [(s.spec_acceptance_rate, s.spec_acceptance_length) for s in result.summaries] == [(0.75, 4.0)] * 2
+    assert capsys.readouterr().err.count(
+        "speculative decoding: acceptance rate 75.0%, acceptance length 4.00 (the server's /metrics over this run)"
+    ) == 2
+
+    with FakeOpenAIServer(tokenizer, tokenizer_dir) as server:  # no /metrics
+        result = await run_bench(_args(server, num_prompts=[2], concurrency=[1]))
+    assert math.isnan(result.summaries[0].spec_acceptance_rate)
+    assert "speculative" not in capsys.readouterr().err
 
 
 # ---- runs against the fake server ------------------------------------------------------------------------

@@ -1,6 +1,15 @@
-"""scripts/bench_peer.py: every run gets its own prompts, and the table pairs each shardserve row with vLLM's."""
+"""scripts/bench_peer.py: every run gets its own prompts, both clients get the same grounded ones, and the table
+pairs each shardserve row with vLLM's."""
 
-from scripts.bench_peer import MODES, Row, run_seed, table
+import argparse
+import json
+
+import pytest
+
+from bench.prompts import load_tokenizer
+from bench.run import draw_prompts, prompt_builder
+from scripts.bench_peer import MODES, Row, bench_args, main, run_seed, table, vllm_dataset_flags
+from scripts.bench_serve import ServerProcess
 
 
 def test_no_two_runs_share_a_seed_so_no_prompt_is_a_free_prefix_cache_hit():
@@ -19,3 +28,42 @@ def test_the_table_gives_shardserve_over_vllm_ratios_at_equal_load():
     assert "| vllm bench serve | sampled | 50 | 400 | 500 | 1.25× | 1000 / 800 | 0.80× | 100.0 / 80.0 | 0.80× |" in text
     assert "| greedy |" not in text.split("| offline")[0]
     assert "| temperature 1.0 | 380 | 418 | 1.10× |" in text
+
+
+def _peer_args(dataset_name: str) -> argparse.Namespace:
+    return argparse.Namespace(prompt_tokens=96, output_tokens=8, dataset_name=dataset_name)
+
+
+def test_the_random_load_keeps_vllms_random_dataset():
+    settings = bench_args(ServerProcess("model", port=8123), "/tok", "greedy", 10, 30, _peer_args("random"))
+    assert settings.dataset_name == "random" and settings.seed == run_seed("greedy", 10)
+    assert vllm_dataset_flags(settings, "/unused") == [
+        "--dataset-name", "random", "--random-input-len", "96", "--random-output-len", "8"]
+
+
+def test_the_grounded_load_gives_vllms_client_the_prompts_shardserve_bench_measures(tiny_llama_dir, tmp_path):
+    server = ServerProcess(str(tiny_llama_dir), port=8123)
+    settings = bench_args(server, str(tiny_llama_dir), "sampled", 10, 5, _peer_args("grounded"))
+    flags = vllm_dataset_flags(settings, str(tmp_path))
+    path = tmp_path / "grounded.jsonl"
+    assert flags == ["--dataset-name", "custom", "--dataset-path", str(path), "--custom-output-len", "8",
+                     "--disable-shuffle"]
+    saved = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
+    builder = prompt_builder(settings, load_tokenizer(str(tiny_llama_dir)))
+    warmup, (measured,) = draw_prompts(builder, settings)  # what run_bench(settings) sends, in that order
+    assert saved == measured and len(saved) == 5
+    assert not set(warmup) & set(saved)
+
+
+def test_the_doc_is_written_for_the_random_load_only():
+    for extra in (["--dataset-name", "grounded"], ["--speculative-config", '{"method": "ngram"}']):
+        with pytest.raises(SystemExit):
+            main(["--vllm-python", "unused", "--write-doc", *extra])
+
+
+def test_a_peer_venv_that_cannot_read_custom_datasets_is_named_before_anything_runs(tmp_path):
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexit 1\n")  # a python where `import pandas` fails
+    python.chmod(0o755)
+    with pytest.raises(SystemExit, match="pip install pandas"):
+        main(["--vllm-python", str(python), "--dataset-name", "grounded", "--no-offline"])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import json
+import math
 import os
 import sys
 
@@ -27,6 +29,20 @@ def served(tiny_llama_dir, tmp_path_factory):
     assert server.process.returncode is not None  # stopped by PID
     with pytest.raises(ProcessLookupError):
         os.killpg(server.process.pid, 0)  # and nothing it started is left running
+
+
+@pytest.fixture(scope="module")
+def speculating(tiny_llama_dir, tmp_path_factory):
+    """The tiny model served with n-gram speculative decoding."""
+    log = tmp_path_factory.mktemp("serve-spec") / "serve.log"
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    server = ServerProcess(
+        str(tiny_llama_dir),
+        extra_args=["--dtype", "float32", "--api-key", "sesame", "--speculative-config", json.dumps(speculative)],
+        log_path=str(log),
+    )
+    with server.start(timeout_s=240):
+        yield server
 
 
 def _args(served, tmp_path, **overrides) -> BenchArgs:
@@ -76,6 +92,30 @@ async def test_a_wrong_api_key_fails_every_request_against_shardserve(served, tm
     summary = result.summaries[0]
     assert (summary.successes, summary.failures) == (0, 4)
     assert summary.errors.startswith("4 x HTTP 401")
+
+
+def _grounded_args(server, tmp_path) -> BenchArgs:
+    """Greedy, so the tiny model's output (and so what n-gram lookup finds) does not depend on the run."""
+    return _args(server, tmp_path, dataset_name="grounded", endpoint="chat", prompt_tokens=128, output_tokens=24,
+                 num_prompts=[4], concurrency=[2], temperature=0.0, csv=None, plot=None)
+
+
+async def test_bench_prints_the_acceptance_rate_of_a_server_that_speculates(speculating, tmp_path, capsys):
+    result = await run_bench(_grounded_args(speculating, tmp_path))
+    (summary,), (records,) = result.summaries, result.records
+    assert (summary.failures, summary.usage_mismatches) == (0, 0), summary.errors
+    assert {(r.prompt_tokens, r.completion_tokens) for r in records} == {(128, 24)}
+    assert 0.0 <= summary.spec_acceptance_rate <= 1.0
+    assert 1.0 <= summary.spec_acceptance_length <= 1.0 + 3  # at most k proposals accepted per step
+    assert "speculative decoding: acceptance rate" in capsys.readouterr().err
+
+
+async def test_bench_prints_no_acceptance_for_a_server_that_does_not_speculate(served, tmp_path, capsys):
+    result = await run_bench(_grounded_args(served, tmp_path))
+    (summary,) = result.summaries
+    assert (summary.failures, summary.usage_mismatches) == (0, 0), summary.errors
+    assert math.isnan(summary.spec_acceptance_rate) and math.isnan(summary.spec_acceptance_length)
+    assert "speculative" not in capsys.readouterr().err
 
 
 HEALTH_SERVER = """

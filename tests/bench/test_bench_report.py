@@ -16,6 +16,7 @@ from bench.report import (
     read_csvs,
     summarize_errors,
 )
+from bench.server_metrics import SpecDecodeCounters, acceptance_between, parse_spec_decode_counters
 
 SETTINGS = dict(
     timestamp="2026-11-29T08:00:00+00:00",
@@ -175,3 +176,63 @@ def test_make_bench_rewrites_only_its_own_block_of_the_benchmarks_doc(tmp_path):
     rewrite_doc_section(fresh, "table")
     rewrite_doc_section(fresh, "table 2")
     assert fresh.read_text() == f"# Benchmarks\n\n## Serving benchmark\n\n{DOC_BEGIN}\ntable 2\n{DOC_END}\n"
+
+
+def test_a_csv_from_before_the_dataset_and_acceptance_columns_reads_back_with_their_defaults(tmp_path):
+    path = tmp_path / "old.csv"
+    summary = RunSummary.from_records([_record(0, 0.0, [0.1, 0.2, 0.3])], 0.31, SETTINGS)
+    append_csv(str(path), [summary])
+    newer = ("dataset_name", "spec_acceptance_rate", "spec_acceptance_length")
+    rows = [line.split(",") for line in path.read_text().splitlines()]
+    keep = [i for i, name in enumerate(rows[0]) if name not in newer]
+    path.write_text("".join(",".join(row[i] for i in keep) + "\n" for row in rows))
+    (read,) = read_csvs([str(path)])
+    assert read.dataset_name == "random"
+    assert math.isnan(read.spec_acceptance_rate) and math.isnan(read.spec_acceptance_length)
+    assert read.output_throughput == summary.output_throughput
+
+
+def test_the_acceptance_line_is_printed_only_for_a_run_that_saw_speculation():
+    summary = RunSummary.from_records([_record(0, 0.0, [0.1, 0.2, 0.3])], 0.31, SETTINGS)
+    assert "speculative" not in format_details(summary)
+    summary.spec_acceptance_rate, summary.spec_acceptance_length = 0.625, 3.5
+    assert "speculative decoding: acceptance rate 62.5%, acceptance length 3.50" in format_details(summary)
+
+
+# ---- speculative decoding's counters in /metrics ---------------------------------------------------------
+
+SHARDSERVE_METRICS = """\
+# HELP shardserve:num_requests_running Requests in the running batch.
+# TYPE shardserve:num_requests_running gauge
+shardserve:num_requests_running{model_name="m",replica="r 1"} 2.0
+# HELP shardserve:spec_decode_num_drafts_total Sequence-steps that verified proposed tokens.
+# TYPE shardserve:spec_decode_num_drafts_total counter
+shardserve:spec_decode_num_drafts_total{model_name="m",replica="r 1"} 10.0
+shardserve:spec_decode_num_drafts_total{model_name="m",replica="r}2"} 6.0
+# TYPE shardserve:spec_decode_num_draft_tokens_total counter
+shardserve:spec_decode_num_draft_tokens_total{model_name="m",replica="r 1"} 40.0
+shardserve:spec_decode_num_draft_tokens_total{model_name="m",replica="r}2"} 24.0
+# TYPE shardserve:spec_decode_num_accepted_tokens_total counter
+shardserve:spec_decode_num_accepted_tokens_total{model_name="m",replica="r 1"} 20.0
+shardserve:spec_decode_num_accepted_tokens_total{model_name="m",replica="r}2"} 12.0
+shardserve:spec_decode_num_emitted_tokens_total{model_name="m",replica="r 1"} 30.0
+shardserve:spec_decode_acceptance_length_bucket{le="0",model_name="m",replica="r 1"} 3.0
+"""
+
+
+def test_spec_decode_counters_are_read_from_any_namespace_and_summed_over_labels():
+    counters = parse_spec_decode_counters(SHARDSERVE_METRICS)
+    assert counters == SpecDecodeCounters(num_drafts=16, num_draft_tokens=64, num_accepted_tokens=32)
+    vllm = "vllm:spec_decode_num_draft_tokens_total{engine=\"0\"} 7 1700000000\n" \
+           "vllm:spec_decode_num_accepted_tokens_per_pos_total{position=\"0\"} 5\n"
+    assert parse_spec_decode_counters(vllm) == SpecDecodeCounters(num_draft_tokens=7)  # per position: not a total
+    assert parse_spec_decode_counters(SHARDSERVE_METRICS.split("# HELP shardserve:spec")[0]) is None
+
+
+def test_a_runs_acceptance_is_the_difference_of_two_scrapes():
+    before = SpecDecodeCounters(num_drafts=100, num_draft_tokens=400, num_accepted_tokens=0)
+    after = SpecDecodeCounters(num_drafts=110, num_draft_tokens=440, num_accepted_tokens=30)
+    accepted = acceptance_between(before, after)
+    assert (accepted.rate, accepted.length) == (0.75, 4.0)
+    assert acceptance_between(before, before) is None  # nothing proposed during the run
+    assert acceptance_between(None, after) is None and acceptance_between(before, None) is None
