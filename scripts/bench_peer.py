@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -125,11 +126,13 @@ def _tcmalloc(vllm_python: str) -> str | None:
 
 
 def offline_run(command: list[str], arguments: dict, env: dict[str, str], cwd) -> dict[str, float]:
-    """Run an offline script (`command` + the path of a JSON file of `arguments`); its RESULT {mode: tok/s}."""
+    """Run an offline script (`command` + the path of a JSON file of `arguments`), with `env` on top of this
+    process's environment (as ServerProcess does); its RESULT {mode: tok/s}."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(arguments, f)
     try:
-        done = subprocess.run([*command, f.name], env=env, cwd=cwd, capture_output=True, text=True, timeout=1800)
+        done = subprocess.run([*command, f.name], env={**os.environ, **env}, cwd=cwd, capture_output=True, text=True,
+                              timeout=1800)
     finally:
         os.unlink(f.name)
     for line in done.stdout.splitlines():
@@ -201,7 +204,7 @@ def shardserve_client(server: ServerProcess, tokenizer_dir: str, mode: str, conc
         raise RuntimeError(f"shardserve bench: {summary.failures} failed requests")
     rate = summary.spec_acceptance_rate
     return Row("shardserve bench", mode, concurrency, "", summary.output_throughput, summary.ttft_p95_ms,
-               summary.tpot_mean_ms, None if rate != rate else rate)  # nan: the server does not speculate
+               summary.tpot_mean_ms, None if math.isnan(rate) else rate)  # nan: the server does not speculate
 
 
 def served_rows(label: str, server: ServerProcess, tokenizer_dir: str, args) -> list[Row]:
@@ -305,11 +308,11 @@ def main(argv: list[str] | None = None) -> int:
                    for seed, mode in enumerate(OFFLINE_MODES)}
         arguments = {"model": model_dir, "dtype": dtype, "prompts": prompts, "output_len": args.output_tokens}
         with tempfile.TemporaryDirectory() as neutral:  # vLLM run from the repository would import its packages
-            vllm_env = {**os.environ, **vllm_cpu_env(args.vllm_python, _tcmalloc(args.vllm_python))}
+            vllm_env = vllm_cpu_env(args.vllm_python, _tcmalloc(args.vllm_python))
             offline["vllm"] = offline_run([args.vllm_python, "-c", _VLLM_OFFLINE],
                                           {**arguments, "model": peer_model_dir}, vllm_env, neutral)
         # in a child process too, so this one holds no engine while the servers run
-        offline["shardserve"] = offline_run([sys.executable, "-c", _SHARDSERVE_OFFLINE], arguments, dict(os.environ), REPO)
+        offline["shardserve"] = offline_run([sys.executable, "-c", _SHARDSERVE_OFFLINE], arguments, {}, REPO)
         print(f"offline: {offline}", flush=True)
     rows: list[Row] = []
     if args.served:

@@ -6,7 +6,8 @@
    tokens, each step appending one token, as the scheduler calls it.
 2. An input-grounded load: the model (default: the demo model, SmolLM2-135M-Instruct) is asked, through its
    chat template, to repeat or lightly edit a passage of Python source of about --prompt-tokens tokens (the
-   prompts of `shardserve bench --dataset-name grounded`, bench/grounded.py); greedy, --output-tokens each. For each concurrency (that many requests in one offline batch) speculation off, then n-gram, then
+   prompts of `shardserve bench --dataset-name grounded`, bench/grounded.py); greedy, --output-tokens each.
+   For each concurrency (that many requests in one offline batch) speculation off, then n-gram, then
    (with --draft-model) a draft model: TPOT (decode time per token after the first, the mean over requests),
    throughput and the acceptance seen.
 """

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import time
@@ -207,7 +206,7 @@ def vllm_engine_rates(vllm_python: str, rounds: int) -> dict[str, list[float]]:
     rng = random.Random(1)
     arguments = {"model": str(ensure_bench_model()), "schema": TEN_FIELD_SCHEMA,
                  "rounds": [[[rng.randrange(3, 32000) for _ in range(512)] for _ in range(50)] for _ in range(rounds)]}
-    env = {**os.environ, **vllm_cpu_env(vllm_python, _tcmalloc(vllm_python))}  # its settings on top of ours (PATH)
+    env = vllm_cpu_env(vllm_python, _tcmalloc(vllm_python))
     return offline_run([vllm_python, "-c", VLLM_VERSION_SHIM + _VLLM_CONSTRAINED], arguments, env, REPO)
 
 
