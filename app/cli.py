@@ -1,6 +1,7 @@
-"""`shardserve serve | bench | make-model`: the console script.
+"""`shardserve serve | prepare-node | bench | make-model`: the console script.
 
-`serve` flags are generated from ServeArgs with vLLM's spelling (`--max-num-seqs`, `--no-enable-prefix-caching`).
+`serve` flags are generated from ServeArgs with vLLM's spelling (`--max-num-seqs`, `--no-enable-prefix-caching`);
+`prepare-node` takes the same ones (app/prepare_node.py).
 """
 
 from __future__ import annotations
@@ -230,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
         "machine) instead of starting a local one; the application is deleted from it on exit. With auto or a "
         "127.0.0.1 address Ray stays on loopback; with another host it talks on this machine's address"))
     add_serve_flags(serve_parser)
+    prepare = subparsers.add_parser("prepare-node", help=(
+        "before Ray starts on a node: resolve the model that replicas there will load and unpack a GGUF file "
+        "into this node's cache (idempotent); takes serve's flags, of which the model, --dtype and --device "
+        "matter"))
+    prepare.add_argument("model_tag", nargs="?", metavar="MODEL", default=argparse.SUPPRESS,
+                         help="the model, as serve takes it: the same as --model")
+    add_serve_flags(prepare)
     make_model = subparsers.add_parser("make-model", help="write a small random-weight model directory",
                                        add_help=False)
     make_model.add_argument("make_model_args", nargs=argparse.REMAINDER)
@@ -250,6 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     namespace = build_parser().parse_args(argv)
     if namespace.command == "serve":
         serve(serve_args_from(namespace), namespace.ray_address)
+        return 0
+    if namespace.command == "prepare-node":
+        from app.prepare_node import prepare_node
+        from engine.errors import ModelLoadError
+
+        try:
+            print(prepare_node(serve_args_from(namespace)).describe())
+        except ModelLoadError as e:  # the node cannot hold a replica: its init step fails, with what to fix
+            raise SystemExit(f"shardserve prepare-node: {e}") from None
         return 0
     handler = getattr(namespace, "func", None)
     if handler is None:

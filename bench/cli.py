@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 
 from bench.flags import flag_help
@@ -41,6 +42,16 @@ def _int_list(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -80,6 +91,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     flag("--seed", field="seed", type=int, default=defaults.seed)
     flag("--temperature", field="temperature", type=float)
     flag("--ignore-eos", field="ignore_eos", action=argparse.BooleanOptionalAction, default=defaults.ignore_eos)
+    flag("--extra-body", field="extra_body", type=_json_object, metavar="JSON")
     flag("--timeout", field="timeout_s", type=float, default=defaults.timeout_s)
     flag("--label", field="label", default=defaults.label)
     flag("--csv", field="csv")

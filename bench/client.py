@@ -92,6 +92,7 @@ class OpenAIStreamClient:
         api_key: str | None = None,
         temperature: float | None = None,
         ignore_eos: bool = True,
+        extra_body: dict | None = None,
         timeout_s: float | None = 600.0,
         max_connections: int = 100,
     ):
@@ -100,6 +101,7 @@ class OpenAIStreamClient:
         self.endpoint = endpoint
         self.temperature = temperature
         self.ignore_eos = ignore_eos
+        self.extra_body = extra_body or {}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(
             base_url=self.base_url,
@@ -126,7 +128,7 @@ class OpenAIStreamClient:
             body["messages"] = [{"role": "user", "content": spec.prompt}]
         else:
             body["prompt"] = spec.prompt
-        return body
+        return {**body, **self.extra_body}  # vllm bench serve merges its --extra-body last too
 
     async def send(
         self, spec: RequestSpec, record: RequestResult, clock: Callable[[], float]

@@ -6,7 +6,7 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm import tqdm
@@ -56,6 +56,9 @@ class BenchArgs(BaseModel):
         "sent with every request (e.g. 0 for greedy) (default: not sent, so the server's default applies, "
         "as `vllm bench serve` does)"))
     ignore_eos: bool = Field(True, description="every request generates all its output tokens (EOS does not end it)")
+    extra_body: dict[str, Any] | None = Field(None, description=(
+        "JSON object merged into every request's body, as `vllm bench serve --extra-body` does, e.g. a "
+        "response_format (default: none)"))
     timeout_s: float = Field(600.0, gt=0, description="seconds one request may take")
     label: str = Field("shardserve", description="the framework's name in tables and plot legends")
     csv: str | None = Field(None, description="append one row per run to this CSV (default: none)")
@@ -106,6 +109,7 @@ async def run_bench(args: BenchArgs) -> BenchResult:
         api_key=args.api_key,
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
+        extra_body=args.extra_body,
         timeout_s=args.timeout_s,
         max_connections=max(args.concurrency + [args.warmup, 1]),
     )

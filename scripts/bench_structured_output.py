@@ -153,8 +153,9 @@ def engine_rates(rounds: int) -> dict[str, list[float]]:
     llm = LLM(model=str(ensure_bench_model()), dtype="float32", max_num_seqs=64)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 32000) for _ in range(512)] for _ in range(50)]
-    free = SamplingParams(max_tokens=128, ignore_eos=True, seed=1)
-    constrained = SamplingParams(max_tokens=128, seed=1, structured_outputs=StructuredOutputsParams(json=TEN_FIELD_SCHEMA))
+    # unseeded, as vLLM's run must be (below)
+    free = SamplingParams(max_tokens=128, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=128, structured_outputs=StructuredOutputsParams(json=TEN_FIELD_SCHEMA))
     llm.generate(prompts[:4], [free, constrained] * 2)  # warm-up (and the grammar's compile)
     rates: dict[str, list[float]] = {"unconstrained": [], "10-field JSON schema": []}
     for _ in range(rounds):
@@ -183,8 +184,9 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import StructuredOutputsParams
 args = json.load(open(sys.argv[1]))
 llm = LLM(model=args["model"], dtype="float32", max_model_len=1024, enable_prefix_caching=False, max_num_seqs=64)
-free = SamplingParams(temperature=1.0, max_tokens=128, ignore_eos=True, seed=1)
-constrained = SamplingParams(temperature=1.0, max_tokens=128, seed=1,
+# unseeded: vLLM's CPU worker dies on seeded constrained requests ("CPU Generator does not use offset")
+free = SamplingParams(temperature=1.0, max_tokens=128, ignore_eos=True)
+constrained = SamplingParams(temperature=1.0, max_tokens=128,
                              structured_outputs=StructuredOutputsParams(json=args["schema"]))
 llm.generate([TokensPrompt(prompt_token_ids=p) for p in args["rounds"][0][:4]], [free, constrained] * 2, use_tqdm=False)
 rates = {"unconstrained": [], "10-field JSON schema": []}

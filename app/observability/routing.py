@@ -3,7 +3,9 @@
 Per replica (label `replica`, Serve's unique id, as on the replicas' own series): requests routed there by
 reason, the prompt blocks sent there and those the router expected its prefix cache to hold (the router's
 hit rate), and the replica's own prefix-cache counters as it last reported them to the router (its measured
-hit rate, within one routing-stats period). A replica that leaves takes its series with it. Requests that the
+hit rate, within one routing-stats period), and the prompt blocks the router's prefix index holds for it (what
+it would route by prefix; as of Serve's last refresh of the replicas). A replica that leaves takes its series
+with it. Requests that the
 ingress sent again after their replica was lost are counted in `routing_retries`.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from app.observability.metrics import PREFIX
@@ -22,11 +24,12 @@ from app.routing.telemetry import RoutingTelemetry
 LABELS = ("model_name", "replica")
 COUNTERS = ("routing_decisions", "routing_prompt_blocks", "routing_matched_blocks", "routing_retries",
             "replica_prefix_cache_queries", "replica_prefix_cache_hits")
+GAUGES = ("routing_prefix_blocks",)
 
 
 def routing_series_names() -> set[str]:
     """The sample names the ingress's /metrics can show (the Grafana dashboard's test checks against them)."""
-    return {f"{PREFIX}{name}_total" for name in COUNTERS}
+    return {f"{PREFIX}{name}_total" for name in COUNTERS} | {PREFIX + name for name in GAUGES}
 
 
 class RoutingCollector(Collector):
@@ -39,7 +42,7 @@ class RoutingCollector(Collector):
     def describe(self):
         return []
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         replicas = self.telemetry.snapshot()
         decisions = CounterMetricFamily(PREFIX + "routing_decisions", "Requests routed to a replica, by reason.",
                                         labels=(*LABELS, "reason"))
@@ -59,7 +62,12 @@ class RoutingCollector(Collector):
             if PREFIX_CACHE_QUERIES in replica.reported:
                 queries.add_metric(labels, replica.reported[PREFIX_CACHE_QUERIES])
                 hits.add_metric(labels, replica.reported.get(PREFIX_CACHE_HITS, 0.0))
-        yield from (decisions, prompt_blocks, matched, queries, hits)
+        index = GaugeMetricFamily(PREFIX + "routing_prefix_blocks",
+                                  "Prompt blocks the router remembers sending to a replica (its prefix index).",
+                                  labels=LABELS)
+        for name, blocks in sorted(self.telemetry.prefix_blocks().items()):
+            index.add_metric([self.model_name, name], blocks)
+        yield from (decisions, prompt_blocks, matched, queries, hits, index)
 
     def _family(self, name: str, doc: str) -> CounterMetricFamily:
         return CounterMetricFamily(PREFIX + name, doc, labels=LABELS)

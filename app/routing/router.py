@@ -16,7 +16,9 @@ order, skips full ones and backs off when all are full, so routing never blocks 
 replica at once, so a burst sharing a new prefix follows its first request, and again for the replica that
 accepted it. Each routed request makes one RoutingDecision, counted per (replica, reason) and passed to
 listeners (RoutingListener: the ingress's telemetry, app/routing/telemetry.py), which also hear every
-replica's reported stats each time Serve refreshes them. No FIFOMixin: with it a replica chosen for one request's prefix would go to whichever request is
+replica's reported stats, and how many prefix blocks the index holds per replica, each time Serve refreshes
+the replica set or their stats. A replica that leaves (Serve's new set lacks it, or its actor died) leaves the
+index at once: its prefixes then route by load, wherever the new replicas are. No FIFOMixin: with it a replica chosen for one request's prefix would go to whichever request is
 first in the queue; Serve's base matching gives it to the request it was chosen for.
 """
 
@@ -64,6 +66,9 @@ class RoutingListener(Protocol):
     def on_replica_stats(self, stats: Mapping[str, Mapping[str, float]]) -> None:
         """The live replicas (Serve unique_id) and what each last reported (app/routing/stats.py)."""
 
+    def on_prefix_index(self, blocks: Mapping[str, int]) -> None:
+        """The prompt blocks the router remembers sending to each replica (Serve unique_id; none: left out)."""
+
 
 @dataclass(frozen=True)
 class _Plan:
@@ -110,6 +115,7 @@ class PrefixAwareRouter(RequestRouter):
     def add_listener(self, listener: RoutingListener) -> None:
         self._listeners.append(listener)
         _tell(listener, "on_replica_stats", self._replica_stats())
+        _tell(listener, "on_prefix_index", self.prefix_blocks())
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -198,20 +204,28 @@ class PrefixAwareRouter(RequestRouter):
     def _replica_stats(self) -> dict[str, dict[str, float]]:
         return {r.replica_id.unique_id: dict(r.routing_stats) for r in self._replicas_list}
 
+    def prefix_blocks(self) -> dict[str, int]:
+        """Per replica (Serve unique_id) the index holds any for: how many prompt blocks it remembers there."""
+        return {replica_id.unique_id: self.index.num_blocks(replica_id) for replica_id in self.index.replicas()}
+
+    def _tell_replica_state(self) -> None:
+        self._tell_listeners("on_replica_stats", self._replica_stats())
+        self._tell_listeners("on_prefix_index", self.prefix_blocks())
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's new replica set, or fresh stats of the same one; replicas that left leave the index and the
-        counts, and listeners hear what every live replica reported."""
+        counts, and listeners hear what every live replica reported and what the index holds."""
         super().update_replicas(replicas)
         for gone in self.index.replicas() - self._replica_id_set:
             self.index.remove_replica(gone)
         self._drop_counts_of_replicas_not_in(self._replica_id_set)
-        self._tell_listeners("on_replica_stats", self._replica_stats())
+        self._tell_replica_state()
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.index.remove_replica(replica_id)
         self._drop_counts_of_replicas_not_in(self._replica_id_set)
-        self._tell_listeners("on_replica_stats", self._replica_stats())
+        self._tell_replica_state()
 
     def _drop_counts_of_replicas_not_in(self, replica_ids: set[ReplicaID]) -> None:
         live = {replica_id.unique_id for replica_id in replica_ids}

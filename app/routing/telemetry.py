@@ -36,6 +36,7 @@ class RoutingTelemetry:
         self._lock = threading.Lock()
         self._replicas: dict[str, ReplicaRouting] = {}  # live replicas only: one that left takes its series
         self._unclaimed: OrderedDict[str, RoutingDecision] = OrderedDict()
+        self._prefix_blocks: dict[str, int] = {}  # the router's index, as it last told
 
     def on_decision(self, decision: RoutingDecision) -> None:
         with self._lock:
@@ -53,6 +54,15 @@ class RoutingTelemetry:
                 del self._replicas[name]
             for name, reported in stats.items():
                 self._replica(name).reported = dict(reported)
+
+    def on_prefix_index(self, blocks: Mapping[str, int]) -> None:
+        with self._lock:
+            self._prefix_blocks = dict(blocks)
+
+    def prefix_blocks(self) -> dict[str, int]:
+        """Per replica, the prompt blocks the router remembers sending there (as of its last refresh)."""
+        with self._lock:
+            return dict(self._prefix_blocks)
 
     def claim(self, request_id: str) -> RoutingDecision | None:
         """The decision for the ingress's request `request_id` (once), or None if the router made none."""

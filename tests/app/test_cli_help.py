@@ -24,7 +24,7 @@ def flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for a in parser._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
 
 
-@pytest.mark.parametrize("command", [("serve",), ("bench",), ("bench", "report")])
+@pytest.mark.parametrize("command", [("serve",), ("prepare-node",), ("bench",), ("bench", "report")])
 def test_every_flag_has_a_help_line_beyond_its_default(command):
     parser = subcommand(*command)
     for action in flags(parser):

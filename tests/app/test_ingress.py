@@ -271,6 +271,23 @@ async def test_metrics_show_each_replicas_routing_and_its_reported_prefix_cache_
     assert 'replica="replica-0"' not in after and 'replica="replica-1"' in after
 
 
+async def test_metrics_show_the_prefix_blocks_the_router_holds_per_replica_until_it_forgets_them():
+    telemetry = RoutingTelemetry()
+    async with client_of(make_ingress(Replicas(telemetry=telemetry))) as client:
+        telemetry.on_prefix_index({"replica-0": 12, "replica-1": 3})
+        held = await prefix_blocks(client)
+        telemetry.on_prefix_index({"replica-1": 3})  # replica-0 left: the router forgot its prefixes
+        after = await prefix_blocks(client)
+    assert held == {"replica-0": 12, "replica-1": 3}
+    assert after == {"replica-1": 3}
+
+
+async def prefix_blocks(client) -> dict[str, float]:
+    return {s.labels["replica"]: s.value
+            for family in text_string_to_metric_families((await client.get("/metrics")).text)
+            for s in family.samples if s.name == "shardserve:routing_prefix_blocks"}
+
+
 async def test_the_ingress_span_names_the_routing_decision_and_parents_the_replicas_spans():
     exporter = InMemorySpanExporter()
     provider = make_tracer_provider(None, exporter=exporter)

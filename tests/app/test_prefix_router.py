@@ -49,6 +49,7 @@ class DecisionLog:
     def __init__(self):
         self.decisions: list[RoutingDecision] = []
         self.stats: list[dict] = []
+        self.prefix_blocks: list[dict] = []
 
     def on_decision(self, decision: RoutingDecision) -> None:
         self.decisions.append(decision)
@@ -56,12 +57,18 @@ class DecisionLog:
     def on_replica_stats(self, stats) -> None:
         self.stats.append({name: dict(reported) for name, reported in stats.items()})
 
+    def on_prefix_index(self, blocks) -> None:
+        self.prefix_blocks.append(dict(blocks))
+
 
 class BrokenListener:
     def on_decision(self, decision):
         raise RuntimeError("a broken metrics hook")
 
     def on_replica_stats(self, stats):
+        raise RuntimeError("a broken metrics hook")
+
+    def on_prefix_index(self, blocks):
         raise RuntimeError("a broken metrics hook")
 
 
@@ -198,6 +205,24 @@ async def test_a_replica_that_leaves_takes_its_prefixes_with_it_and_they_are_reh
     assert await route(router, SYSTEM + [2] * 4) == new_home
     router.on_replica_actor_died(ReplicaID(unique_id=new_home, deployment_id=DEPLOYMENT))
     assert router.index.replicas() == set()
+
+
+async def test_listeners_hear_which_replicas_hold_prefixes_and_a_lost_replica_is_forgotten_at_once():
+    a, b = StubReplica("a"), StubReplica("b")
+    router = make_router([a, b])
+    seen = DecisionLog()
+    router.add_listener(seen)
+    assert seen.prefix_blocks == [{}]
+    home = await route(router, SYSTEM)
+    other = await route(router, OTHER_SYSTEM)
+    assert home != other
+    router.update_replicas([a, b])  # Serve's refresh of the replicas' stats
+    assert seen.prefix_blocks[-1] == {home: 4, other: 4} == router.prefix_blocks()
+    router.update_replicas([r for r in (a, b) if r.replica_id.unique_id != home])  # its node went
+    assert seen.prefix_blocks[-1] == {other: 4}
+    assert await route(router, SYSTEM) == other  # the lost replica's prefix now routes by load
+    router.on_replica_actor_died(ReplicaID(unique_id=other, deployment_id=DEPLOYMENT))
+    assert seen.prefix_blocks[-1] == {} == router.prefix_blocks()
 
 
 async def test_listeners_hear_each_live_replicas_report_and_a_routed_request_carries_the_ingress_id():

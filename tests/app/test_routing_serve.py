@@ -30,6 +30,9 @@ class DecisionRecorder:
     def on_replica_stats(self, stats) -> None:
         pass
 
+    def on_prefix_index(self, blocks) -> None:
+        pass
+
 
 RECORDER = DecisionRecorder()
 

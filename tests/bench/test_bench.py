@@ -708,3 +708,22 @@ def test_a_vllm_bench_serve_command_line_runs_against_a_server(tokenizer, tokeni
     assert len(server.bodies) == 1 + 4  # the warm-up request, then the measured ones
     assert all("messages" in b and b["max_tokens"] == 4 and b["ignore_eos"] for b in server.bodies)
     assert server.max_in_flight <= 2
+
+
+def test_extra_body_is_merged_into_every_request_as_vllm_bench_serve_does(tokenizer, tokenizer_dir):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+             "max_tokens": 3}
+    with FakeOpenAIServer(tokenizer, tokenizer_dir) as server:
+        host, port = server.base_url.removeprefix("http://").split(":")
+        argv = ["--host", host, "--port", port, "--model", "fake-model", "--tokenizer", tokenizer_dir,
+                "--random-input-len", "24", "--random-output-len", "4", "--num-prompts", "3", "--max-concurrency", "1",
+                "--no-ignore-eos", "--disable-tqdm", "--extra-body", json.dumps(extra)]
+        main(argv)
+    assert len(server.bodies) == 3
+    # its keys win over the bench's own, as in vllm bench serve (the payload is updated with it last)
+    assert all(b["response_format"] == extra["response_format"] and b["max_tokens"] == 3 for b in server.bodies)
+    with pytest.raises(SystemExit):  # a JSON array is not a body
+        bench_settings("--extra-body", "[1]")
+    with pytest.raises(SystemExit):
+        bench_settings("--extra-body", "{not json")

@@ -1,7 +1,8 @@
 """A node lost under load (`make stress`): `shardserve serve --ray-address` with 2 replicas on 2 accelerator
 nodes and prefix routing; with streams in flight and more queued, `cluster.remove_node` takes one replica's
 node away, and a replacement node joins. Streams that had started there end with the `replica_lost` error
-event and [DONE]; requests that had not started are re-sent by the ingress and complete; none hangs. Figures:
+event and [DONE]; requests that had not started are re-sent by the ingress and complete; none hangs; the
+prefix-aware router forgets the lost replica's prefixes (the ingress's `routing_prefix_blocks` gauge). Figures:
 requests completed, cut and re-sent, and the time until two replicas serve again."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.app.conftest import free_port
 from tests.app.test_cli_serve import start_server, stop, wait_until_healthy
@@ -76,6 +78,22 @@ def running_replicas(ray_nodes) -> list[dict]:
     return [r for r in where["replicas"].get("LLMServer", []) if r["state"] == "RUNNING"]
 
 
+async def prefix_blocks(http: httpx.AsyncClient) -> dict[str, float]:
+    """The prompt blocks the ingress's router remembers per replica (its /metrics, app/observability/routing.py)."""
+    text = (await http.get("/metrics")).text
+    return {s.labels["replica"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "shardserve:routing_prefix_blocks"}
+
+
+async def poll_prefix_blocks(http: httpx.AsyncClient, done, bound_s: float = 30) -> dict[str, float]:
+    """The first answer for which `done(blocks)` holds, or the last one after `bound_s` (the router tells the
+    ingress at Serve's refresh of the replicas, each routing-stats period)."""
+    deadline = time.monotonic() + bound_s
+    while not done(blocks := await prefix_blocks(http)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+    return blocks
+
+
 async def test_a_lost_node_cuts_its_started_streams_and_the_rest_complete(ray_nodes, serving):
     port, log = serving
     deadline = time.monotonic() + 180
@@ -83,11 +101,16 @@ async def test_a_lost_node_cuts_its_started_streams_and_the_rest_complete(ray_no
         assert time.monotonic() < deadline, replicas
         time.sleep(0.5)
     assert len({r["node_id"] for r in replicas}) == 2, replicas
-    victim = next(n for n in ray_nodes.cluster.worker_nodes if n.node_id == replicas[0]["node_id"])
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=STREAM_BOUND_S) as http:
         for prefix in PREFIXES:  # the router learns where each prefix is cached
             assert (await http.post("/v1/completions", json={"model": "tiny", "prompt": prefix + "warm",
                                                               "max_tokens": 2})).status_code == 200
+        held = await poll_prefix_blocks(http, lambda blocks: bool(blocks))
+        # the node to lose: one whose replica holds prefixes, so that forgetting them can be seen
+        lost_replica = max((r for r in replicas if held.get(r["replica_id"])),
+                           key=lambda r: held[r["replica_id"]], default=None)
+        assert lost_replica is not None, (held, replicas)
+        victim = next(n for n in ray_nodes.cluster.worker_nodes if n.node_id == lost_replica["node_id"])
         started: list[float] = []
         tasks = [asyncio.create_task(stream(http, PREFIXES[i % len(PREFIXES)] + f"question {i}", started))
                  for i in range(REQUESTS)]
@@ -102,17 +125,27 @@ async def test_a_lost_node_cuts_its_started_streams_and_the_rest_complete(ray_no
         ray_nodes.cluster.add_node(num_cpus=WORKER_CPUS, resources={ACCELERATOR: ACCELERATORS_PER_NODE})
         node_added_s = time.monotonic() - lost_at
         results = await asyncio.wait_for(asyncio.gather(*tasks), STREAM_BOUND_S)
-        while len(running_replicas(ray_nodes)) < 2:
+        # full width: two RUNNING replicas besides the lost one (Serve may still list it RUNNING for a moment)
+        while len(serving_again := [r for r in running_replicas(ray_nodes)
+                                    if r["replica_id"] != lost_replica["replica_id"]]) < 2:
             assert time.monotonic() - removal_began < 180, "the lost replica was not replaced"
             await asyncio.sleep(0.5)
         full_width_s = time.monotonic() - removal_began
+        live = {r["replica_id"] for r in serving_again}
+        held_after = await poll_prefix_blocks(http, lambda blocks: lost_replica["replica_id"] not in blocks)
+        forgotten_s = time.monotonic() - removal_began
         after = await http.post("/v1/completions", json={"model": "tiny", "prompt": PREFIXES[0], "max_tokens": 2})
         assert after.status_code == 200
     outcomes = [outcome(r) for r in results]
     resent = log.read_text().count("(call 1 of ")
     print(f"node loss: {outcomes.count('completed')} completed, {outcomes.count('cut')} cut, {resent} re-sent, "
           f"of {REQUESTS}; two replicas again {full_width_s:.1f} s after the loss began "
-          f"(removing the node {lost_at - removal_began:.1f} s, adding one {node_added_s:.1f} s)")
+          f"(removing the node {lost_at - removal_began:.1f} s, adding one {node_added_s:.1f} s); the router "
+          f"held {held[lost_replica['replica_id']]:.0f} prefix blocks for the lost replica, none "
+          f"{forgotten_s:.1f} s after the loss began (held then: {held_after})")
+    # the router forgot the lost replica's prefixes; what it remembers is for live replicas only
+    assert lost_replica["replica_id"] not in held_after, held_after
+    assert set(held_after) <= live, (held_after, live)
     assert set(outcomes) <= {"completed", "cut"}, outcomes  # none lost silently, none broken
     assert outcomes.count("cut") >= 1  # the node held streams: it was lost under load
     for result, kind in zip(results, outcomes, strict=True):

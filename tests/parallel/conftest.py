@@ -28,7 +28,7 @@ def ray_session():
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level=logging.WARNING)
     yield
     if started:
         ray.shutdown()

@@ -64,12 +64,28 @@ locals {
     var.model_pvc_claim_name == null ? [{ name = "models", emptyDir = {} }] : [],
   )
 
-  model_init_containers = var.model_s3_uri == null ? [] : [{
+  # Where a worker pod keeps the unpacked GGUF cache (engine/checkpoint/gguf_cache.py): a volume of the pod, so
+  # that the prepare-node init container fills it and the replica finds it
+  node_cache_dir = "/var/cache/shardserve"
+  node_cache_env = [{ name = "SHARDSERVE_CACHE", value = local.node_cache_dir }]
+
+  # The per-node step, before Ray starts in the pod: fetch the model (model_s3_uri), then `shardserve
+  # prepare-node` (app/prepare_node.py) checks that it loads and unpacks a GGUF file into the pod's cache
+  model_init_containers = concat(var.model_s3_uri == null ? [] : [{
     name         = "fetch-model"
     image        = var.model_sync_image
     command      = ["aws", "s3", "sync", "--only-show-errors", var.model_s3_uri, var.model_path]
     volumeMounts = [{ name = "models", mountPath = "/models" }]
-  }]
+    }], [{
+    name    = "prepare-node"
+    image   = var.image
+    command = ["shardserve", "prepare-node", "--model", var.model_path, "--dtype", var.dtype, "--device", "cuda"]
+    env     = concat(local.pod_env, local.node_cache_env)
+    volumeMounts = [
+      { name = "models", mountPath = "/models", readOnly = true },
+      { name = "shardserve-cache", mountPath = local.node_cache_dir },
+    ]
+  }])
 }
 
 resource "kubernetes_namespace" "this" {
@@ -159,11 +175,12 @@ resource "kubernetes_manifest" "rayservice" {
               initContainers = local.model_init_containers
               volumes = concat(local.model_volumes, [
                 { name = "dshm", emptyDir = { medium = "Memory" } },
+                { name = "shardserve-cache", emptyDir = {} },
               ])
               containers = [{
                 name  = "ray-worker"
                 image = var.image
-                env   = local.pod_env
+                env   = concat(local.pod_env, local.node_cache_env)
                 ports = [
                   { name = "serve", containerPort = 8000 },
                   { name = "metrics", containerPort = local.metrics_export_port },
@@ -175,6 +192,7 @@ resource "kubernetes_manifest" "rayservice" {
                 volumeMounts = [
                   { name = "models", mountPath = "/models", readOnly = var.model_s3_uri == null },
                   { name = "dshm", mountPath = "/dev/shm" },
+                  { name = "shardserve-cache", mountPath = local.node_cache_dir },
                 ]
                 readinessProbe = {
                   httpGet             = { path = "/health", port = 8000 }
