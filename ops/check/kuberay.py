@@ -108,6 +108,10 @@ def _check_gpu_worker(group: dict, args: ServeArgs | None, where: str) -> list[F
     lo, hi = group.get("minReplicas"), group.get("maxReplicas")
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
         findings.append(Finding("min-max", where, f"worker group {name!r}: minReplicas {lo} > maxReplicas {hi}"))
+    start = group.get("replicas")
+    if all(isinstance(n, int) for n in (lo, start, hi)) and not lo <= start <= hi:
+        findings.append(Finding("min-max", where, f"worker group {name!r}: replicas {start} is outside "
+                                f"minReplicas {lo} .. maxReplicas {hi}"))
     if args is not None:
         if args.accelerator_resource != "GPU":
             findings.append(Finding("accelerator-resource", where, f"worker group {name!r} offers {GPU_RESOURCE} but the replicas ask for accelerator_resource {args.accelerator_resource!r}: set it to GPU, so that a replica places only on a GPU worker and its ranks get their GPUs"))

@@ -7,11 +7,13 @@ from pathlib import Path
 import yaml
 
 from app.config import ServeArgs
+from ops.check.autoscaling import check_autoscaling
 from ops.check.findings import Finding, where
 from ops.check.hcl import HclReadError
 from ops.check.kuberay import check_rayservice, check_serve_config
 from ops.check.terraform import load_module, module_dirs, module_scope
 from ops.check.terraform_rules import (
+    check_default_capacity,
     check_example,
     check_node_groups,
     check_pins,
@@ -36,7 +38,7 @@ def check_terraform(terraform_root: Path, root: Path) -> list[Finding]:
                 findings += check_rayservices(module, defaults, root, " (defaults)")
         except HclReadError as e:
             findings.append(Finding("hcl-read", where(directory, None, root), str(e)))
-    return findings
+    return findings + check_default_capacity(terraform_root, root)
 
 
 def check_config_file(path: Path, root: Path) -> list[Finding]:
@@ -61,8 +63,8 @@ def check_config_file(path: Path, root: Path) -> list[Finding]:
 
 
 def check_project(root: Path) -> list[Finding]:
-    """Terraform under ops/terraform and every configs/*.yaml."""
+    """Terraform under ops/terraform and every configs/*.yaml, each by its rules, then their autoscaling together."""
     findings = check_terraform(root / "ops" / "terraform", root)
     for path in sorted((root / "configs").glob("*.yaml")):
         findings += check_config_file(path, root)
-    return findings
+    return findings + check_autoscaling(root)

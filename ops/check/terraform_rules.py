@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.check.findings import Finding, where
-from ops.check.hcl import read_tfvars
+from ops.check.hcl import Block, HclReadError, read_tfvars
 from ops.check.kuberay import check_rayservice
 from ops.check.terraform import (
     MODULE_META_ARGUMENTS,
@@ -22,6 +22,7 @@ from ops.check.terraform import (
 
 GPU_TAINT_KEY = "nvidia.com/gpu"
 EKS_NO_SCHEDULE = "NO_SCHEDULE"  # the EKS API's enum; Kubernetes itself spells it NoSchedule
+TFVARS_EXAMPLE = "terraform.tfvars.example"
 EXACT_VERSION = re.compile(r"^\d+\.\d+\.\d+([-+][0-9A-Za-z.-]+)?$")
 # GPUs per instance for the types the modules may pick; a type missing here is reported.
 GPUS_PER_INSTANCE = {
@@ -122,14 +123,22 @@ def check_node_groups(module: Module, scope: Scope, root: Path, context: str = "
     return findings
 
 
-def check_rayservices(module: Module, scope: Scope, root: Path, context: str = "") -> list[Finding]:
-    """Each kubernetes_manifest of kind RayService, rendered in `scope`, passes the KubeRay rules."""
-    findings = []
+def rayservice_manifests(module: Module, scope: Scope) -> list[tuple[Block, dict[str, Any]]]:
+    """(block, manifest) for each kubernetes_manifest of kind RayService, rendered in `scope`."""
+    manifests = []
     for block in module.of_type("resource", "kubernetes_manifest"):
         attr = block.body.attributes.get("manifest")
         manifest = evaluate(attr.value, scope) if attr else UNKNOWN
         if isinstance(manifest, dict) and manifest.get("kind") == "RayService":
-            findings += check_rayservice(manifest, where(block.path, block.line, root) + context)
+            manifests.append((block, manifest))
+    return manifests
+
+
+def check_rayservices(module: Module, scope: Scope, root: Path, context: str = "") -> list[Finding]:
+    """Each kubernetes_manifest of kind RayService, rendered in `scope`, passes the KubeRay rules."""
+    findings = []
+    for block, manifest in rayservice_manifests(module, scope):
+        findings += check_rayservice(manifest, where(block.path, block.line, root) + context)
     return findings
 
 
@@ -137,49 +146,80 @@ def _call_inputs(call, scope: Scope) -> dict[str, Any]:
     return {name: evaluate(a.value, scope) for name, a in call.body.attributes.items() if name not in MODULE_META_ARGUMENTS}
 
 
+def example_scope(example: Module) -> Scope:
+    """The example's variables as its terraform.tfvars.example sets them, defaults for the rest."""
+    variables = example.defaults()
+    tfvars_path = example.dir / TFVARS_EXAMPLE
+    if tfvars_path.exists():
+        variables.update({name: evaluate(attr.value, Scope({}, {})) for name, attr in read_tfvars(tfvars_path).items()})
+    return Scope(variables, example.locals)
+
+
+def local_module_calls(example: Module) -> list[tuple[str, Block, Module]]:
+    """(name, call, module) for each call of a module from this repository (a relative source)."""
+    calls = []
+    for name, call in example.module_calls().items():
+        source = call.body.attributes.get("source")
+        if source is not None and isinstance(source.value, str) and source.value.startswith("."):
+            calls.append((name, call, load_module((example.dir / source.value).resolve())))
+    return calls
+
+
+def example_module_scope(module: Module, call: Block, example_values: Scope) -> Scope:
+    """The scope of `module` as the example's `call` sets it up."""
+    return module_scope(module, _call_inputs(call, example_values))
+
+
 def check_example(example: Module, root: Path) -> list[Finding]:
     """An example root module: tfvars and module arguments declared, then every module rule on its values."""
     findings = []
-    variables = example.defaults()
-    tfvars_path = example.dir / "terraform.tfvars.example"
+    tfvars_path = example.dir / TFVARS_EXAMPLE
     if not tfvars_path.exists():
-        findings.append(Finding("example-tfvars", where(example.dir, None, root), "missing terraform.tfvars.example"))
+        findings.append(Finding("example-tfvars", where(example.dir, None, root), f"missing {TFVARS_EXAMPLE}"))
     else:
         tfvars = read_tfvars(tfvars_path)
         for name, attr in tfvars.items():
             if name not in example.variables:
                 findings.append(Finding("undeclared-input", where(tfvars_path, attr.line, root), f"{name!r} is not a variable of {example.dir.name}"))
-            variables[name] = evaluate(attr.value, Scope({}, {}))
         for name in sorted(example.required_variables() - set(tfvars)):
             findings.append(Finding("undeclared-input", where(tfvars_path, None, root), f"required variable {name!r} is not set"))
-    scope = Scope(variables, example.locals)
+    scope = example_scope(example)
     inputs_by_source: dict[str, dict[str, Any]] = {}
-    for name, call in example.module_calls().items():
-        source = call.body.attributes.get("source")
-        if source is None or not isinstance(source.value, str) or not source.value.startswith("."):
-            continue
-        module = load_module((example.dir / source.value).resolve())
+    for name, call, module in local_module_calls(example):
         for arg, attr in call.body.attributes.items():
             if arg not in MODULE_META_ARGUMENTS and arg not in module.variables:
                 findings.append(Finding("undeclared-input", where(call.path, attr.line, root), f"module {name!r} has no variable {arg!r}"))
         for missing in sorted(module.required_variables() - set(call.body.attributes)):
             findings.append(Finding("undeclared-input", where(call.path, call.line, root), f"module {name!r}: required variable {missing!r} not set"))
-        inputs = _call_inputs(call, scope)
-        inputs_by_source[module.dir.name] = module_scope(module, inputs).variables
+        module_values = example_module_scope(module, call, scope)
+        inputs_by_source[module.dir.name] = module_values.variables
         context = f" (as {example.dir.name}/module.{name})"
-        module_values = module_scope(module, inputs)
         findings += check_node_groups(module, module_values, root, context)
         findings += check_rayservices(module, module_values, root, context)
-    findings += _check_capacity(inputs_by_source, example, root)
+    findings += check_capacity(inputs_by_source, where(example.dir / "main.tf", None, root))
     return findings
 
 
-def _check_capacity(inputs: dict[str, dict[str, Any]], example: Module, root: Path) -> list[Finding]:
-    """The GPU node group at max size holds max_replicas replicas of tensor_parallel_size GPUs."""
+def check_default_capacity(terraform_root: Path, root: Path) -> list[Finding]:
+    """The two modules with their defaults: gpu-cluster's GPU nodes at max size hold shardserve's max_replicas."""
+    dirs = {name: terraform_root / "modules" / name for name in ("gpu-cluster", "shardserve")}
+    if not all(d.is_dir() for d in dirs.values()):
+        return []
+    try:
+        inputs = {name: module_scope(load_module(d)).variables for name, d in dirs.items()}
+    except HclReadError:
+        return []  # check_terraform reports the file it could not read
+    return check_capacity(inputs, where(dirs["shardserve"] / "variables.tf", None, root) + " (defaults)")
+
+
+def check_capacity(inputs: dict[str, dict[str, Any]], at: str) -> list[Finding]:
+    """The GPU node group at max size holds max_replicas replicas of tensor_parallel_size GPUs.
+
+    `inputs` holds the variables of the gpu-cluster and shardserve modules, by directory name.
+    """
     cluster, serve = inputs.get("gpu-cluster"), inputs.get("shardserve")
     if cluster is None or serve is None:
         return []
-    at = where(example.dir / "main.tf", None, root)
     tp, serve_tp = cluster.get("tensor_parallel_size"), serve.get("tensor_parallel_size")
     if tp != serve_tp:
         return [Finding("capacity", at, f"gpu-cluster tensor_parallel_size {tp} != shardserve tensor_parallel_size {serve_tp}")]

@@ -119,7 +119,7 @@ variable "max_replicas" {
 variable "target_queue_depth" {
   description = "Waiting + running sequences per replica the Serve policy aims for (ServeArgs.target_queue_depth)."
   type        = number
-  default     = 8
+  default     = 32
 }
 
 variable "upscale_delay_s" {
