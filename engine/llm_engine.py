@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -30,6 +31,18 @@ from engine.structured_output.grammar import GrammarBitmask, SequenceGrammar, fi
 from engine.validation import check_request
 
 RECENT_STEPS = 4096  # steps remembered for metrics between two scrapes
+
+
+def overlaps_bitmask_fill(config: EngineConfig) -> bool:
+    """Fill a step's grammar bitmask on a thread while the forward pass runs, as vLLM does, only where a core is
+    free for it: on a GPU (the host only launches kernels meanwhile), or on a CPU with a core beyond the ranks'
+    torch threads. Where the pass's OpenMP threads hold every core, the filler preempts one of them and each
+    parallel region waits for it: on 2 cores the constrained load fell to 0.86-0.94x of the same load free with
+    the fill overlapped, and ran at 1.00-1.04x filled before the pass (docs/BENCHMARKS.md, "Structured outputs")."""
+    if config.resolved_device().type != "cpu":
+        return True
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores > config.resolved_cpu_threads() * config.tensor_parallel_size
 
 
 class LLMEngine:
@@ -68,10 +81,11 @@ class LLMEngine:
             StopChecker(tuple(eos), self.max_model_len, self.detokenizer),
             proposer=self.draft_proposer,
         )
-        # structured outputs: constraints compiled for this tokenizer (engine/structured_output/), and the
-        # thread that fills a step's grammar bitmask while the forward pass runs
+        # structured outputs: constraints compiled for this tokenizer (engine/structured_output/), and, where a
+        # core is free for it, the thread that fills a step's grammar bitmask while the forward pass runs
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, tuple(eos))
-        self._bitmask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-bitmask")
+        self._bitmask_filler = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-bitmask")
+                                if overlaps_bitmask_fill(config) else None)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_mixed_steps = 0  # steps where a prefill chunk shared the batch with decodes
@@ -183,11 +197,16 @@ class LLMEngine:
         return self._deltas(dict.fromkeys(seq.request for seq in advanced))
 
     def _fill_grammar_bitmask(self, rows: list[Sequence | SpeculativeRow]) -> Future[GrammarBitmask] | None:
-        """Start filling the constrained rows' bitmask on the filler thread (the forward pass runs meanwhile)."""
+        """The constrained rows' bitmask: started on the filler thread (the forward pass runs meanwhile), or,
+        without one, filled here before the pass."""
         grammars = [(row, seq.grammar) for row, seq in enumerate(rows) if seq.grammar is not None]
         if not grammars:
             return None
-        return self._bitmask_filler.submit(fill_bitmask, grammars, self.model_config.vocab_size)
+        if self._bitmask_filler is not None:
+            return self._bitmask_filler.submit(fill_bitmask, grammars, self.model_config.vocab_size)
+        filled: Future[GrammarBitmask] = Future()
+        filled.set_result(fill_bitmask(grammars, self.model_config.vocab_size))
+        return filled
 
     def _deltas(self, requests: Iterable[Request]) -> list[RequestOutput]:
         outputs = []
@@ -259,7 +278,8 @@ class LLMEngine:
         if getattr(self, "draft_proposer", None) is not None:  # (the KV check's shutdown comes before it)
             self.draft_proposer.shutdown()
         self.grammar_compiler.shutdown()
-        self._bitmask_filler.shutdown(wait=False)
+        if self._bitmask_filler is not None:
+            self._bitmask_filler.shutdown(wait=False)
 
 
 class LLM:

@@ -268,7 +268,8 @@ def main(argv=None) -> None:
             "|---|---|---|---|---|",
             *rows,
         ]
-    lines += ["", "Command: `python -m scripts.bench_structured_output --write-doc` (in `make bench`)"]
+    peer = ' --vllm-python "$(bash scripts/setup_peer.sh)"' if args.vllm_python else ""
+    lines += ["", f"Command: `python -m scripts.bench_structured_output{peer} --write-doc` (in `make bench`)"]
     if args.write_doc:
         rewrite_block(BEGIN, END, "\n".join(lines), "Structured outputs")
 

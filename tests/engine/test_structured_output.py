@@ -75,10 +75,18 @@ def llm(tiny_llama_dir):
     {"max_num_batched_tokens": 32},  # chunked prefill, prefills sharing steps with constrained decodes
     {"num_kv_blocks": 12, "max_model_len": 192},  # preemption by recompute mid-grammar
     {"num_kv_blocks": 12, "max_model_len": 192, "preemption_mode": "swap", "swap_space": 0.05},
-], ids=["plain", "chunked", "recompute", "swap"])
-def test_constrained_greedy_equals_transformers_under_the_same_grammar(tiny_llama_dir, hf_greedy, engine_args):
+    {"max_num_batched_tokens": 32, "overlapped_fill": True},
+], ids=["plain", "chunked", "recompute", "swap", "chunked-fill-beside-the-pass"])
+def test_constrained_greedy_equals_transformers_under_the_same_grammar(tiny_llama_dir, hf_greedy, engine_args,
+                                                                       monkeypatch):
     prompts = random_prompts([20, 45, 70, 33], seed=4)
+    engine_args = dict(engine_args)
+    # the bitmask filled on its thread while the forward pass runs (a GPU's way, or a CPU's with a spare core),
+    # rather than before the pass, as on these 2 cores
+    overlapped = engine_args.pop("overlapped_fill", False)
+    monkeypatch.setattr("engine.llm_engine.overlaps_bitmask_fill", lambda config: overlapped)
     engine_llm = LLM(model=str(tiny_llama_dir), dtype="float32", **engine_args)
+    assert (engine_llm.engine._bitmask_filler is not None) == overlapped
     expected = hf_constrained_greedy(hf_greedy, tiny_llama_dir, engine_llm.get_tokenizer(), prompts, PERSON, 40)
     assert len({tuple(e) for e in expected}) == len(expected), "oracle outputs should differ per prompt"
     got = [o.outputs[0].token_ids for o in engine_llm.generate(prompts, json_params(max_tokens=40))]
@@ -217,3 +225,13 @@ def test_a_cached_constraint_compiles_once(llm):
     first.result()
     again = compiler.submit(StructuredOutputsParams(json={"properties": {"k": {"type": "integer"}}, "type": "object"}))
     assert again is first and again.done()  # the same schema, keys in another order: the cached grammar
+
+
+def test_the_bitmask_is_filled_beside_the_forward_pass_only_where_a_core_is_free(monkeypatch):
+    from engine.llm_engine import overlaps_bitmask_fill
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    assert not overlaps_bitmask_fill(EngineConfig(model="x", device="cpu"))  # every core runs the pass
+    assert overlaps_bitmask_fill(EngineConfig(model="x", device="cpu", cpu_threads=3))
+    assert not overlaps_bitmask_fill(EngineConfig(model="x", device="cpu", cpu_threads=2, tensor_parallel_size=2))
+    assert overlaps_bitmask_fill(EngineConfig(model="x", device="cuda"))  # the host only launches kernels
