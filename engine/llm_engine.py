@@ -199,7 +199,8 @@ class LLMEngine:
     def _fill_grammar_bitmask(self, rows: list[Sequence | SpeculativeRow]) -> Future[GrammarBitmask] | None:
         """The constrained rows' bitmask: started on the filler thread (the forward pass runs meanwhile), or,
         without one, filled here before the pass."""
-        grammars = [(row, seq.grammar) for row, seq in enumerate(rows) if seq.grammar is not None]
+        grammars = [(row, seq.grammar, seq.proposals if isinstance(seq, SpeculativeRow) else ())
+                    for row, seq in enumerate(rows) if seq.grammar is not None]
         if not grammars:
             return None
         if self._bitmask_filler is not None:

@@ -261,8 +261,8 @@ class Scheduler:
         return out
 
     def _propose(self) -> dict[Sequence, list[int]]:
-        """Proposed tokens for the running sequences that decode this step (none above disable_by_batch_size,
-        none under a grammar), never more than their max_tokens or the context can still take."""
+        """Proposed tokens for the running sequences that decode this step (none above disable_by_batch_size;
+        under a grammar, only the run it accepts), never more than their max_tokens or the context can still take."""
         spec = self.speculative
         if self.proposer is None or (
             spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size
@@ -271,7 +271,7 @@ class Scheduler:
         max_model_len = self.stop_checker.max_model_len
         seqs, limits = [], []
         for seq in self.running:
-            if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.num_output_tokens or seq.grammar is not None:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.num_output_tokens:
                 continue
             if seq.num_output_tokens < seq.spec_resume_at:
                 continue  # its recent proposals all missed: decode plainly for a while
@@ -282,7 +282,13 @@ class Scheduler:
                 limits.append(limit)
         if not seqs:
             return {}
-        return {seq: p for seq, p in zip(seqs, self.proposer.propose(seqs, limits)) if p}
+        proposed = {}
+        for seq, proposals in zip(seqs, self.proposer.propose(seqs, limits)):
+            if proposals and seq.grammar is not None:
+                proposals = proposals[: seq.grammar.valid_prefix(proposals)]
+            if proposals:
+                proposed[seq] = proposals
+        return proposed
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[Sequence]:
         """After the step ran: advance every chunk's computed tokens, append each sampled token to its

@@ -28,7 +28,10 @@ class SpeculativeRow:
 
     seq: Sequence
     proposals: list[int]  # the proposals before this row's position
-    grammar: None = None  # sequences under a grammar never speculate
+
+    @property
+    def grammar(self):  # the sequence's matcher: the row is masked as it stands after `proposals`
+        return self.seq.grammar
 
     @property
     def sampling_params(self) -> SamplingParams:

@@ -195,7 +195,14 @@ def test_proposals_never_pass_max_tokens_and_a_stop_inside_an_accepted_run_cuts_
     scheduler.block_manager.check_all_free()
 
 
-def test_speculation_is_off_above_disable_by_batch_size_and_under_a_grammar():
+class _GrammarAcceptingOne:
+    """A matcher whose grammar accepts only the first of any run of proposals."""
+
+    def valid_prefix(self, proposals):
+        return min(1, len(proposals))
+
+
+def test_speculation_is_off_above_disable_by_batch_size_and_cut_to_what_a_grammar_accepts():
     scheduler = spec_scheduler(disable_by_batch_size=1)
     a, b = add(scheduler, [5, 6, 7, 5, 6, 7, 5]), add(scheduler, [1, 2, 1, 2, 1])
     step(scheduler, scheduler.schedule(), [6, 2])  # both would propose; two are running
@@ -203,8 +210,9 @@ def test_speculation_is_off_above_disable_by_batch_size_and_under_a_grammar():
     assert [c.seq for c in out.decodes] == [a, b] and not out.prefills
     scheduler = spec_scheduler()
     seq = prefilled(scheduler, [5, 6, 7, 5, 6, 7, 5], 6)
-    seq.grammar = object()  # a matcher cannot roll back: no proposals
-    assert [c.seq for c in scheduler.schedule().decodes] == [seq]
+    seq.grammar = _GrammarAcceptingOne()  # the n-gram match would propose [7, 5, 6]
+    out = scheduler.schedule()
+    assert not out.decodes and out.sampled_proposals == [[7]]
 
 
 def test_proposals_are_cut_to_the_token_budget():

@@ -235,3 +235,40 @@ def test_the_bitmask_is_filled_beside_the_forward_pass_only_where_a_core_is_free
     assert overlaps_bitmask_fill(EngineConfig(model="x", device="cpu", cpu_threads=3))
     assert not overlaps_bitmask_fill(EngineConfig(model="x", device="cpu", cpu_threads=2, tensor_parallel_size=2))
     assert overlaps_bitmask_fill(EngineConfig(model="x", device="cuda"))  # the host only launches kernels
+
+
+# a JSON document with free text in it: the looping model repeats itself inside the strings, where n-gram
+# proposals get accepted, and the grammar cuts those that would leave the string or the schema
+NOTES = {"type": "object", "properties": {"title": {"type": "string"}, "body": {"type": "string"}},
+         "required": ["title", "body"], "additionalProperties": False}
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 32}], ids=["plain", "chunked"])
+def test_speculative_constrained_greedy_equals_transformers_under_the_same_grammar(tiny_llama_looping_dir, hf_greedy,
+                                                                                   engine_args):
+    prompts = random_prompts([20, 45, 70, 33], seed=5)
+    engine_llm = LLM(model=str(tiny_llama_looping_dir), dtype="float32", speculative_config=SPECULATIVE,
+                     enable_prefix_caching=False, **engine_args)
+    expected = hf_constrained_greedy(hf_greedy, tiny_llama_looping_dir, engine_llm.get_tokenizer(), prompts, NOTES, 48)
+    got = [o.outputs[0].token_ids for o in engine_llm.generate(prompts, json_params(NOTES, max_tokens=48))]
+    assert got == expected
+    spec = engine_llm.engine.scheduler.spec_stats
+    # proposals were verified under the mask, some accepted and some rejected
+    assert spec.num_accepted_tokens > 0 and spec.num_accepted_tokens < spec.num_proposed_tokens, spec
+    engine_llm.engine.scheduler.block_manager.check_all_free()
+
+
+def test_proposals_are_cut_to_the_run_the_grammar_accepts_and_the_matcher_stays_put(llm):
+    from engine.structured_output.grammar import SequenceGrammar
+
+    tokenizer = llm.get_tokenizer()
+    grammar = SequenceGrammar(llm.engine.grammar_compiler.compile(StructuredOutputsParams(json=NOTES)))
+    document = tokenizer.encode('{"title": "a", "body": "b"}', add_special_tokens=False)
+    assert grammar.valid_prefix(document) == len(document)  # a whole document, its end not proposed
+    assert grammar.valid_prefix([*document[:3], tokenizer.encode("}", add_special_tokens=False)[0]]) == 3
+    for token in document:  # nothing was left accepted by the checks above
+        assert grammar.accept(token)
+    eos = tokenizer.eos_token_id
+    assert grammar.valid_prefix([eos]) == 0  # the token that would end the grammar is not proposed
+    assert not grammar.is_terminated
