@@ -18,12 +18,15 @@ from pathlib import Path
 from app.config import ServeArgs
 from app.deployment import model_path
 from engine.checkpoint.gguf import find_gguf_file
-from engine.checkpoint.gguf_cache import dtype_name, unpack_gguf, unpacked_dir
+from engine.checkpoint.gguf_cache import (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    dtype_name,
+    unpack_gguf,
+    unpacked_dir,
+    weights_dir,
+)
 from engine.checkpoint.model_config import load_model_config
-
-# what an unpacked GGUF cache holds once complete for one dtype (engine/checkpoint/gguf_cache.py's layout)
-CONFIG_PART = "model_config.json"
-TOKENIZER_PART = "tokenizer/tokenizer.json"
 
 
 @dataclass(frozen=True)
@@ -50,12 +53,12 @@ def prepare_node(args: ServeArgs) -> PreparedModel:
     gguf_file = find_gguf_file(model)
     cache = unpacked_dir(gguf_file) if gguf_file is not None else None
     # looked at before the config is read: reading a GGUF file's config caches it
-    had_parts = cache is not None and all((cache / part).is_file() for part in (CONFIG_PART, TOKENIZER_PART))
+    had_parts = cache is not None and all((cache / part).is_file() for part in (CONFIG_FILE, TOKENIZER_FILE))
     model_config = load_model_config(model)  # a missing or broken model fails here, before Ray starts
     dtype = args.engine_config(str(model)).torch_dtype(model_config)
     if gguf_file is None or cache is None:
         return PreparedModel(model, None, dtype_name(dtype), reused=True, weights_cached=True)
-    weights_index = cache / f"weights-{dtype_name(dtype)}" / "index.json"
+    weights_index = weights_dir(gguf_file, dtype) / "index.json"
     reused = had_parts and weights_index.is_file()
     unpack_gguf(gguf_file, dtype)  # reads only what is missing (a complete cache: headers, no tensor data)
     return PreparedModel(gguf_file, cache, dtype_name(dtype), reused, weights_cached=weights_index.is_file())

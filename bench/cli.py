@@ -44,7 +44,8 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _json_object(text: str) -> dict:
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object (`--extra-body`), else a usage error naming the text."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -91,7 +92,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     flag("--seed", field="seed", type=int, default=defaults.seed)
     flag("--temperature", field="temperature", type=float)
     flag("--ignore-eos", field="ignore_eos", action=argparse.BooleanOptionalAction, default=defaults.ignore_eos)
-    flag("--extra-body", field="extra_body", type=_json_object, metavar="JSON")
+    flag("--extra-body", field="extra_body", type=json_object, metavar="JSON")
     flag("--timeout", field="timeout_s", type=float, default=defaults.timeout_s)
     flag("--label", field="label", default=defaults.label)
     flag("--csv", field="csv")

@@ -74,6 +74,11 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, as a container's cpuset limits it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 class EngineConfig(BaseModel):
     """Everything one engine replica needs to start. Names follow vLLM's engine arguments."""
 
@@ -123,8 +128,7 @@ class EngineConfig(BaseModel):
         running on one of two cores."""
         if self.cpu_threads:
             return self.cpu_threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, cores // self.tensor_parallel_size)
+        return max(1, available_cores() // self.tensor_parallel_size)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

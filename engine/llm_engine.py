@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -14,7 +13,7 @@ from collections.abc import Sequence as SequenceABC
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
-from engine.config import EngineConfig, SamplingParams
+from engine.config import EngineConfig, SamplingParams, available_cores
 from engine.detokenizer import Detokenizer
 from engine.errors import InvalidRequestError
 from engine.executor import Executor, make_executor
@@ -41,8 +40,7 @@ def overlaps_bitmask_fill(config: EngineConfig) -> bool:
     the fill overlapped, and ran at 1.00-1.04x filled before the pass (docs/BENCHMARKS.md, "Structured outputs")."""
     if config.resolved_device().type != "cpu":
         return True
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores > config.resolved_cpu_threads() * config.tensor_parallel_size
+    return available_cores() > config.resolved_cpu_threads() * config.tensor_parallel_size
 
 
 class LLMEngine:

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.cli import json_object
 from bench.run import BenchArgs, run_bench, save_dataset
 from engine.checkpoint.model_config import load_model_config
 from kernels.backend import cpu_supports_bf16
@@ -149,7 +150,7 @@ def bench_args(server: ServerProcess, tokenizer_dir: str, mode: str, concurrency
         base_url=server.base_url, tokenizer=tokenizer_dir, prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens, concurrency=[concurrency], num_prompts=[num_prompts], warmup=2,
         temperature=MODES[mode], progress=False, seed=run_seed(mode, concurrency), dataset_name=args.dataset_name,
-        extra_body=json.loads(args.extra_body) if args.extra_body else None,
+        extra_body=args.extra_body,
     )
 
 
@@ -186,7 +187,7 @@ def vllm_client(vllm_python: str, server: ServerProcess, tokenizer_dir: str, mod
         if MODES[mode] is not None:
             command += ["--temperature", str(MODES[mode])]
         if args.extra_body:
-            command += ["--extra-body", args.extra_body]
+            command += ["--extra-body", json.dumps(args.extra_body)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         done = subprocess.run(command, env=env, cwd=out_dir, capture_output=True, text=True, timeout=3600)
         path = Path(out_dir) / "result.json"
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                              "same passages to repeat or edit for both clients (bench/grounded.py; vLLM's custom "
                              "dataset); the offline runs stay random (default: random)")
     parser.add_argument("--speculative-config", help="JSON that both servers start with (default: none)")
-    parser.add_argument("--extra-body", help="JSON merged into every request by both clients, e.g. a response_format "
+    parser.add_argument("--extra-body", type=json_object, help="JSON merged into every request by both clients, e.g. a response_format "
                         "(vllm bench serve's flag; default: none)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=128)
@@ -285,13 +286,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.write_doc and (args.dataset_name != "random" or args.speculative_config or args.extra_body):
         parser.error("--write-doc writes the random load without speculation, the doc's side by side")
-    if args.extra_body:
-        try:
-            extra_body = json.loads(args.extra_body)
-        except ValueError:
-            extra_body = None
-        if not isinstance(extra_body, dict):
-            parser.error(f"--extra-body takes a JSON object, got {args.extra_body!r}")
     defaults = REAL_MODEL_DEFAULTS if args.real_model else BENCH_MODEL_DEFAULTS
     for name, default in defaults.items():
         if getattr(args, name) is None:
@@ -341,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.speculative_config:
         flag += f" --speculative-config '{args.speculative_config}'"
     if args.extra_body:
-        flag += f" --extra-body '{args.extra_body}'"
+        flag += f" --extra-body '{json.dumps(args.extra_body)}'"
     model_text = (
         f"the demo model, SmolLM2-135M-Instruct (30 layers, hidden 576): shardserve loads `{Path(model_dir).name}`, "
         "vLLM the same dequantized weights as a Hugging Face directory (`scripts/gguf_to_hf.py`)"

@@ -53,6 +53,15 @@ SHARD_BYTES = 1 << 30  # a shard is written once this much is pending: the write
 DISK_HEADROOM_BYTES = 1 << 30  # weights are not cached when the disk would have less free afterwards
 
 
+CONFIG_FILE = "model_config.json"  # the parts of a cache folder, as the docstring above lays them out
+TOKENIZER_FILE = "tokenizer/tokenizer.json"
+
+
+def weights_dir(file: str | Path, dtype: torch.dtype) -> Path:
+    """The folder of a GGUF file's weights unpacked in `dtype`."""
+    return unpacked_dir(file) / f"weights-{dtype_name(dtype)}"
+
+
 def unpacked_dir(file: str | Path) -> Path:
     """The cache folder of a GGUF file: its name, size and modification time are its identity."""
     path = Path(file)
@@ -69,7 +78,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def unpacked_config_fields(file: str | Path) -> dict:
     """ModelConfig's fields of a GGUF file: from the cache, else from its metadata (then cached)."""
-    cached = unpacked_dir(file) / "model_config.json"
+    cached = unpacked_dir(file) / CONFIG_FILE
     if cached.is_file():
         try:
             return _read_config_fields(cached)
@@ -128,15 +137,15 @@ def unpacked_tensors(
     dequantized to float32 (written to the cache as they pass, unless another process writes it).
     Both give the same parameters: float32 rounded to `dtype` once, here or in the weight loader."""
     file = Path(file)
-    weights_dir = unpacked_dir(file) / f"weights-{dtype_name(dtype)}"
-    unreadable = weights_dir.exists()
+    folder = weights_dir(file, dtype)
+    unreadable = folder.exists()
     with contextlib.ExitStack() as open_files:
-        cached = _open_weights(weights_dir, dtype, open_files, file) if unreadable else None
+        cached = _open_weights(folder, dtype, open_files, file) if unreadable else None
         if cached is not None:
             for gguf_name, name, tensor, shard in cached:
-                yield f"{gguf_name} in {file.name} (unpacked in {weights_dir / (shard or '')})", name, tensor
+                yield f"{gguf_name} in {file.name} (unpacked in {folder / (shard or '')})", name, tensor
             return
-    writer = _WeightsWriter.start(weights_dir, dtype, replace=unreadable, size=unpacked_size(file, dtype))
+    writer = _WeightsWriter.start(folder, dtype, replace=unreadable, size=unpacked_size(file, dtype))
     try:
         for gguf_name, name, tensor in gguf_checkpoint_tensors(file, num_attention_heads, num_key_value_heads):
             if writer is not None and not writer.add(gguf_name, name, tensor):
@@ -287,7 +296,7 @@ def unpack_gguf(file: str | Path, dtype: torch.dtype) -> Path:
     """Fill a GGUF file's cache folder for an engine serving in `dtype` (what is there already is kept)."""
     config = ModelConfig(**unpacked_config_fields(file))
     cache = unpacked_dir(file)
-    if not (cache / "tokenizer" / "tokenizer.json").is_file():
+    if not (cache / TOKENIZER_FILE).is_file():
         unpacked_tokenizer(file)
     for _ in unpacked_tensors(file, config.num_attention_heads, config.num_key_value_heads, dtype):
         pass

@@ -30,7 +30,7 @@ def test_the_table_gives_shardserve_over_vllm_ratios_at_equal_load():
     assert "| temperature 1.0 | 380 | 418 | 1.10× |" in text
 
 
-def _peer_args(dataset_name: str, extra_body: str | None = None) -> argparse.Namespace:
+def _peer_args(dataset_name: str, extra_body: dict | None = None) -> argparse.Namespace:
     return argparse.Namespace(prompt_tokens=96, output_tokens=8, dataset_name=dataset_name, extra_body=extra_body)
 
 
@@ -42,11 +42,13 @@ def test_the_random_load_keeps_vllms_random_dataset():
 
 
 def test_an_extra_body_reaches_shardserve_bench_as_a_dict():
-    body = '{"response_format": {"type": "json_object"}}'
+    body = {"response_format": {"type": "json_object"}}
     settings = bench_args(ServerProcess("model", port=8123), "/tok", "sampled", 10, 30, _peer_args("random", body))
     assert settings.extra_body == {"response_format": {"type": "json_object"}}
     assert bench_args(ServerProcess("model", port=8123), "/tok", "sampled", 10, 30,
                       _peer_args("random")).extra_body is None
+    with pytest.raises(SystemExit):  # a JSON array is not a body: refused before any server starts
+        main(["--vllm-python", "unused", "--extra-body", "[1]"])
 
 
 def test_the_grounded_load_gives_vllms_client_the_prompts_shardserve_bench_measures(tiny_llama_dir, tmp_path):
