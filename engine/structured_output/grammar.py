@@ -8,10 +8,17 @@ Speculative decoding walks it ahead and back between steps: the proposals are cu
 grammar accepts (`valid_prefix`), and the row of a speculating chunk that stands after proposals d_1..d_j is
 masked as the matcher would be after them (`fill_bitmask` accepts them, fills, and rolls them back), so each
 verified position samples from the distribution the same position has without speculation.
+
+A row after a proposal the grammar refuses (or one that would end it) cannot be masked that way: there is no
+such position. The scheduler's `valid_prefix` cut means this never happens, and if a proposer slipped past it,
+it would still do no harm. The row is masked as the matcher stands before that proposal. The row before a
+refused proposal forbids it, so the target never accepts it; a proposal that ends the grammar ends the sequence
+when accepted. Either way no row after it is ever emitted, so the sequence and the rest of the step go on.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
@@ -19,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.bitmask import bitmask_words
+
+logger = logging.getLogger("shardserve.engine")
 
 # Every SequenceGrammar alive: tests check that finished and aborted requests leave none behind.
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -47,31 +56,35 @@ class SequenceGrammar:
         return self._matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int, after: SequenceABC[int] = ()) -> None:
-        """Fill `bitmask[row]` with the tokens allowed next; after `after` (a verified row's proposals, all
-        accepted by valid_prefix) when given, the matcher standing where it stood before."""
-        for accepted, token_id in enumerate(after):
-            if not self._matcher.accept_token(token_id):
-                if accepted:
-                    self._matcher.rollback(accepted)
-                raise ValueError(f"proposal {token_id} is not in the grammar (valid_prefix cuts such runs)")
+        """Fill `bitmask[row]` with the tokens allowed next; after `after` (a verified row's proposals) when
+        given, the matcher standing where it stood before. Proposals past valid_prefix's run are not followed
+        (the module docstring says why that row is never emitted)."""
+        followed = self._advance(after)
+        if followed < len(after):
+            logger.error("proposal %d is outside the grammar or ends it (valid_prefix cuts such runs): the verified "
+                         "row after it is masked as before it, and is never emitted", after[followed])
         self._matcher.fill_next_token_bitmask(bitmask, row)
-        if after:
-            self._matcher.rollback(len(after))
+        if followed:
+            self._matcher.rollback(followed)
 
     def valid_prefix(self, proposals: SequenceABC[int]) -> int:
         """How many leading proposals the grammar accepts, stopping before one that would end it (a row after
         the end has no tokens to allow); the matcher is left where it stood."""
+        accepted = self._advance(proposals)
+        if accepted:
+            self._matcher.rollback(accepted)
+        return accepted
+
+    def _advance(self, proposals: SequenceABC[int]) -> int:
+        """Accept the leading proposals the grammar accepts, stopping before one that would end it; how many."""
         accepted = 0
         for token_id in proposals:
             if not self._matcher.accept_token(token_id):
                 break
-            accepted += 1
             if self._matcher.is_terminated():
                 self._matcher.rollback(1)
-                accepted -= 1
                 break
-        if accepted:
-            self._matcher.rollback(accepted)
+            accepted += 1
         return accepted
 
 

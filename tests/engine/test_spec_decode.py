@@ -4,6 +4,7 @@ the verifier's rows and its distribution, seeded reproducibility, aborts, start-
 Greedy exactness against transformers is in test_hf_equivalence.py, TP=2 in tests/parallel/test_tp_exactness.py.
 """
 
+import itertools
 import random
 
 import numpy as np
@@ -13,7 +14,7 @@ from pydantic import ValidationError
 from scheduler_steps import scheduler_with_fixed_tokens
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import EngineConfig, SpeculativeConfig, StructuredOutputsParams
 from engine.sampler import SampledToken, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Request
@@ -303,6 +304,52 @@ def test_verified_tokens_have_the_target_distribution_at_temperature_0_7_and_top
     always = with_spec.copy()
     always[proposal] = 0
     always[vocab + proposal] += with_spec[:vocab].sum() - with_spec[proposal]
+    assert chi_square_p_value(always, without) < 1e-6
+
+
+def test_under_a_grammar_speculation_keeps_the_distribution_at_temperature_0_7_and_top_p_0_9(
+        tiny_llama_looping_dir):
+    """The regex [0-2][a-c][3-5] on the looping model: 2000 seeded draws with n-gram speculation and 2000
+    without (other seeds) give the same 27 outputs in the same proportions. The prompt holds "0 b 4", "1 c 3"
+    and "2 a 5", so each first digit gets two proposals (its letter, then a digit). Row 0 chooses among the
+    letters, row 1 (after the proposed letter) among 3-5, and row 2 (after both) may only end the grammar."""
+    draws = 2000
+    llm = LLM(model=str(tiny_llama_looping_dir), dtype="float32", speculative_config=SPECULATIVE)
+    tokenizer = llm.get_tokenizer()
+    first, letter, last = ([tokenizer.encode(c, add_special_tokens=False)[0] for c in chars]
+                           for chars in ("012", "abc", "345"))
+    sep = tokenizer.encode(";", add_special_tokens=False)[0]
+    proposed_letter = {first[0]: letter[1], first[1]: letter[2], first[2]: letter[0]}
+    rng = random.Random(5)
+    prompt = [rng.randrange(100, 1000) for _ in range(6)]
+    for digit, end in zip(first, (last[1], last[0], last[2])):
+        prompt += [digit, proposed_letter[digit], end, sep]
+    categories = {output: i for i, output in enumerate(itertools.product(first, letter, last))}  # 27
+    grammar = StructuredOutputsParams(regex="[0-2][a-c][3-5]")
+
+    def counts(engine, seeds):
+        params = [SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.3, max_tokens=8, seed=seed,
+                                 structured_outputs=grammar) for seed in seeds]
+        found = np.zeros(len(categories), dtype=np.int64)
+        for output in engine.generate([prompt] * len(params), params):
+            completion = output.outputs[0]
+            assert completion.finish_reason == "stop" and completion.token_ids[3:] == [tokenizer.eos_token_id]
+            found[categories[tuple(completion.token_ids[:3])]] += 1
+        return found
+
+    with_spec = counts(llm, range(draws))
+    spec = llm.engine.stats().speculation
+    # proposals were verified, and the row after an accepted one chose both its proposal and another token
+    assert spec.acceptance_length_counts[1] > 100 and spec.acceptance_length_counts[2] > 100, spec
+    assert spec.num_accepted_tokens < spec.num_proposed_tokens
+    llm.engine.scheduler.block_manager.check_all_free()
+    without = counts(LLM(model=str(tiny_llama_looping_dir), dtype="float32"), range(draws, 2 * draws))
+    assert (with_spec > 0).sum() >= 20, "too few outputs to compare"
+    assert chi_square_p_value(with_spec, without) > 1e-3
+    # and the test can tell: accepting the proposed letter regardless of the target shifts the letters
+    always = np.zeros_like(with_spec)
+    for (a, _, c), i in categories.items():
+        always[categories[a, proposed_letter[a], c]] += with_spec[i]
     assert chi_square_p_value(always, without) < 1e-6
 
 

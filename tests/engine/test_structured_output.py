@@ -3,6 +3,7 @@ transformers' under xgrammar's own logits processor, and unconstrained requests 
 
 import gc
 import json
+import logging
 import random
 
 import jsonschema
@@ -244,19 +245,28 @@ NOTES = {"type": "object", "properties": {"title": {"type": "string"}, "body": {
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 32}], ids=["plain", "chunked"])
+@pytest.mark.parametrize("engine_args", [
+    {},
+    {"max_num_batched_tokens": 32},
+    # rank 0 masks and samples every verified row; both ranks' shards compute the chunk (Ray actors over gloo)
+    {"max_num_batched_tokens": 32, "tensor_parallel_size": 2},
+], ids=["plain", "chunked", "chunked-tp2"])
 def test_speculative_constrained_greedy_equals_transformers_under_the_same_grammar(tiny_llama_looping_dir, hf_greedy,
                                                                                    engine_args):
     prompts = random_prompts([20, 45, 70, 33], seed=5)
     engine_llm = LLM(model=str(tiny_llama_looping_dir), dtype="float32", speculative_config=SPECULATIVE,
                      enable_prefix_caching=False, **engine_args)
-    expected = hf_constrained_greedy(hf_greedy, tiny_llama_looping_dir, engine_llm.get_tokenizer(), prompts, NOTES, 48)
-    got = [o.outputs[0].token_ids for o in engine_llm.generate(prompts, json_params(NOTES, max_tokens=48))]
-    assert got == expected
-    spec = engine_llm.engine.scheduler.spec_stats
-    # proposals were verified under the mask, some accepted and some rejected
-    assert spec.num_accepted_tokens > 0 and spec.num_accepted_tokens < spec.num_proposed_tokens, spec
-    engine_llm.engine.scheduler.block_manager.check_all_free()
+    try:
+        expected = hf_constrained_greedy(hf_greedy, tiny_llama_looping_dir, engine_llm.get_tokenizer(), prompts,
+                                         NOTES, 48)
+        got = [o.outputs[0].token_ids for o in engine_llm.generate(prompts, json_params(NOTES, max_tokens=48))]
+        assert got == expected
+        spec = engine_llm.engine.scheduler.spec_stats
+        # proposals were verified under the mask, some accepted and some rejected
+        assert spec.num_accepted_tokens > 0 and spec.num_accepted_tokens < spec.num_proposed_tokens, spec
+        engine_llm.engine.scheduler.block_manager.check_all_free()
+    finally:
+        engine_llm.shutdown()
 
 
 def test_proposals_are_cut_to_the_run_the_grammar_accepts_and_the_matcher_stays_put(llm):
@@ -272,3 +282,58 @@ def test_proposals_are_cut_to_the_run_the_grammar_accepts_and_the_matcher_stays_
     eos = tokenizer.eos_token_id
     assert grammar.valid_prefix([eos]) == 0  # the token that would end the grammar is not proposed
     assert not grammar.is_terminated
+
+
+class _ProposesPastTheGrammar:
+    """Proposes what a plain greedy run emitted next (the target accepts it), then a token the grammar refuses, then
+    the plain run again: as a proposer would if valid_prefix did not cut its runs. Near the end, its run holds the
+    grammar's last token and the EOS that ends it before the refused one."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], refused: int):
+        self.expected = expected
+        self.refused = refused
+
+    def propose(self, seqs, max_proposals):
+        runs = []
+        for seq, limit in zip(seqs, max_proposals):
+            plain = self.expected[tuple(seq.request.prompt_token_ids)][seq.num_output_tokens :]
+            runs.append((plain[:2] + [self.refused] + plain[2:])[:limit])
+        return runs
+
+    def forget(self, seq):
+        pass
+
+
+def test_proposals_outside_the_grammar_change_no_token_and_end_no_request(llm, tiny_llama_dir, monkeypatch, caplog):
+    """Rows verified after a proposal the grammar refuses (or after its end) cannot be masked as their position;
+    they are masked as before it and never emitted, so every output is the plain run's and no step fails."""
+    from engine.structured_output.grammar import SequenceGrammar
+
+    tokenizer = llm.get_tokenizer()
+    refused = tokenizer.encode("7", add_special_tokens=False)[0]
+    constrained = SamplingParams(temperature=0.0, max_tokens=60,
+                                 structured_outputs=StructuredOutputsParams(regex=r"[a-z ]{12,40}\."))
+    free = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = random_prompts([9, 30, 17, 44, 23], seed=8)
+    params = [constrained, free, constrained, constrained, free]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert len({tuple(e) for e in expected}) == len(expected)
+
+    speculating = LLM(model=str(tiny_llama_dir), dtype="float32", speculative_config=SPECULATIVE)
+    scheduler = speculating.engine.scheduler
+    scheduler.proposer = _ProposesPastTheGrammar(dict(zip(map(tuple, prompts), expected)), refused)
+    monkeypatch.setattr(SequenceGrammar, "valid_prefix", lambda self, proposals: len(proposals))
+    gc.collect()
+    matchers_before = num_live_matchers()
+    with caplog.at_level(logging.ERROR, logger="shardserve.engine"):
+        outputs = speculating.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert [o.outputs[0].finish_reason for o in outputs] == ["stop", "length", "stop", "stop", "length"]
+    # the refused token and the grammar's end were both proposed mid-run, and the plain run's tokens accepted
+    followed_past = {record.args[0] for record in caplog.records if "outside the grammar" in record.getMessage()}
+    assert followed_past == {refused, tokenizer.eos_token_id}
+    assert scheduler.spec_stats.acceptance_length_counts[2] > 0, scheduler.spec_stats
+    scheduler.block_manager.check_all_free()
+    del outputs
+    gc.collect()
+    assert num_live_matchers() == matchers_before
