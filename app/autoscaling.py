@@ -18,7 +18,8 @@ LOOK_BACK_PERIOD_S = 2.0  # metrics are averaged over this window before the pol
 class QueueDepthPolicy:
     """Serve autoscaling policy: desired replicas = ceil(total queue depth / target_queue_depth)."""
 
-    def __init__(self, target_queue_depth: float = 8.0):
+    # no default: Serve passes autoscaling_config's policy_kwargs, ServeArgs.target_queue_depth (its one default)
+    def __init__(self, target_queue_depth: float):
         self.target_queue_depth = target_queue_depth
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:

@@ -28,6 +28,8 @@ LONGEST_FILES_FIRST = [
     "tests/reliability/test_serve_recovery.py",
     "tests/parallel/test_tp_exactness.py",
     "tests/app/test_routing_replicas.py",
+    "tests/cluster/test_node_autoscaling.py",
+    "tests/app/test_direct_ingress.py",
 ]
 
 

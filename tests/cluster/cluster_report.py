@@ -1,7 +1,8 @@
 """Where things run on a Ray cluster, as JSON on stdout: `python -m tests.cluster.cluster_report ADDRESS`.
 
 A process of its own, so that the test process (which may hold the session's local Ray) never connects to the
-multi-node cluster: Serve's replicas with their node, the proxies' nodes, and each placement group's bundles.
+multi-node cluster: Serve's replicas with their node, the proxies' nodes, each placement group's bundles, and
+the nodes alive.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 
 
 def report(address: str) -> dict:
-    """Serve's view (replicas, proxies) and the placement groups of the cluster at `address`."""
+    """Serve's view (replicas, proxies), the placement groups and the live nodes of the cluster at `address`."""
     import ray
     from ray import serve
 
@@ -21,6 +22,7 @@ def report(address: str) -> dict:
     try:
         details = serve.context._get_global_client().get_serve_details()
         groups = ray.util.placement_group_table()
+        nodes = ray.nodes()
     finally:
         ray.shutdown()
     return {
@@ -33,6 +35,7 @@ def report(address: str) -> dict:
                               "nodes": sorted(set(g["bundles_to_node_id"].values())),
                               "bundles": list(g["bundles"].values())}
                              for g in groups.values() if g["state"] != "REMOVED"],
+        "nodes": sorted(n["NodeID"] for n in nodes if n["Alive"]),
     }
 
 
