@@ -88,11 +88,11 @@ NATIVE_DTYPES = (
 
 
 @functools.cache
-def _native_cpu_backend() -> KernelBackend | None:
+def _native_cpu_backend(target: str) -> KernelBackend | None:
     """The native CPU kernels (attention, RMSNorm, SiLU-and-mul, rotary, sampling, the grammar mask; the KV write stays the
-    reference's index_copy_), each falling back to its reference for inputs it doesn't take; or None
-    where the extension can't be built."""
-    native = cpu_native.load()
+    reference's index_copy_) built for `target` (kernels/cpu_native.py's ISA_FLAGS), each falling back to its
+    reference for inputs it doesn't take; or None where the extension can't be built."""
+    native = cpu_native.load(target)
     if native is None:
         return None
 
@@ -165,12 +165,7 @@ def _native_cpu_backend() -> KernelBackend | None:
 @functools.cache
 def cpu_supports_bf16() -> bool:
     """AVX512-BF16 or AMX: bfloat16 matrix products run natively on this CPU (else float32 is faster)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = cpuinfo.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_native.cpu_flags())
 
 
 def triton_interpreter_enabled() -> bool:
@@ -186,9 +181,9 @@ def get_backend(name: str = "auto", device_type: str = "cpu") -> KernelBackend:
     if name == "auto":
         if device_type == "cuda":
             return _triton_backend()
-        return (_native_cpu_backend() or TORCH) if device_type == "cpu" else TORCH
+        return (_native_cpu_backend(cpu_native.isa()) or TORCH) if device_type == "cpu" else TORCH
     if name == "cpu":
-        native = _native_cpu_backend() if device_type == "cpu" else None
+        native = _native_cpu_backend(cpu_native.isa()) if device_type == "cpu" else None
         if native is None:
             raise ValueError(
                 f"kernel backend 'cpu' needs a CPU device and the native kernels built (device {device_type!r}; "
@@ -203,3 +198,12 @@ def get_backend(name: str = "auto", device_type: str = "cpu") -> KernelBackend:
             "before starting Python to run the kernels in Triton's interpreter, or use 'torch' or 'auto'"
         )
     raise ValueError(f"unknown kernel backend {name!r}: choose 'auto', 'cpu', 'torch' or 'triton'")
+
+
+def native_cpu_backend(target: str) -> KernelBackend:
+    """The `cpu` backend built for `target` ("native" or "avx2", kernels/cpu_native.py) whatever
+    SHARDSERVE_CPU_ISA says: the tests run it for each of cpu_native.runnable_isas()."""
+    native = _native_cpu_backend(target)
+    if native is None:
+        raise ValueError(f"the native CPU kernels for {target!r} are not built (see kernels/cpu_native.py)")
+    return native

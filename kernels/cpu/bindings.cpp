@@ -21,6 +21,18 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at
 }  // namespace shardserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def(
+      "vector_isa",
+      [] {
+#if defined(__AVX512F__)
+        return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+        return "avx2";
+#else
+        return "scalar";
+#endif
+      },
+      "The vector code this build runs: avx512, avx2 or scalar (plain C++)");
   m.def("paged_decode_attention", &shardserve::paged_decode_attention, "Paged decode attention");
   m.def("paged_prefill_attention", &shardserve::paged_prefill_attention, "Paged prefill attention, causal chunks");
   m.def("prefill_supported", &shardserve::prefill_supported,

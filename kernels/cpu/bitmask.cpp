@@ -1,7 +1,7 @@
 // The structured-output mask on CPU, kernels/bitmask.py's contract: logits[rows[i], t] = -inf wherever bit t
 // of bitmask[i] is clear. A word of all ones (every token of its 32 allowed, the common case inside a
-// JSON string) is skipped with one compare; any other word is two masked stores of -inf with AVX-512
-// (32 branch-free selects without it).
+// JSON string) is skipped with one compare; any other word is two masked stores of -inf with AVX-512,
+// four blends with AVX2 (32 branch-free selects without either).
 
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -45,6 +45,16 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at
         const __m512 fill = _mm512_set1_ps(neg_inf);
         _mm512_mask_storeu_ps(chunk, static_cast<__mmask16>(~word & 0xFFFFu), fill);
         _mm512_mask_storeu_ps(chunk + 16, static_cast<__mmask16>(~word >> 16), fill);
+#elif defined(__AVX2__)
+        // bit j shifted up to lane j's sign bit, which blendv reads: set keeps the logit, clear takes -inf
+        const __m256 fill = _mm256_set1_ps(neg_inf);
+        const __m256i bits = _mm256_set1_epi32(static_cast<int32_t>(word));
+        for (int q = 0; q < 4; ++q) {
+          const __m256i to_sign = _mm256_setr_epi32(31 - 8 * q, 30 - 8 * q, 29 - 8 * q, 28 - 8 * q, 27 - 8 * q,
+                                                    26 - 8 * q, 25 - 8 * q, 24 - 8 * q);
+          const __m256 keep = _mm256_castsi256_ps(_mm256_sllv_epi32(bits, to_sign));
+          _mm256_storeu_ps(chunk + 8 * q, _mm256_blendv_ps(fill, _mm256_loadu_ps(chunk + 8 * q), keep));
+        }
 #else
         for (int j = 0; j < 32; ++j) chunk[j] = ((word >> j) & 1u) ? chunk[j] : neg_inf;
 #endif

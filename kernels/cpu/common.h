@@ -1,4 +1,6 @@
 // Shared by the native CPU kernels: dtype loads and stores, and a vectorised exp.
+// Vector code: AVX-512 (16 float lanes) where the build has it, else AVX2 with FMA (8 lanes: AMD Zen 2
+// and 3, Intel before Skylake-SP), else plain C++ (kernels/cpu_native.py names the build's target).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -97,6 +99,90 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// The AVX2 versions of the above, 8 lanes at a time.
+
+// 8 elements as float32.
+template <typename T>
+inline __m256 widen8(const T* src) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(src));
+  }
+}
+
+// The float32 bits of v rounded to bfloat16 (nearest even, as c10::BFloat16(float) rounds; NaN to
+// its quiet NaN 0x7FC0): the bfloat16 in the top half, zeros below. Integer compares only, which
+// -ffast-math can't fold away.
+inline __m256i bf16_rounded_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256i is_nan =
+      _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+  return _mm256_and_si256(_mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), is_nan),
+                          _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+}
+
+// 8 float32 lanes stored as T.
+template <typename T>
+inline void narrow8(T* dst, __m256 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i top = _mm256_srli_epi32(bf16_rounded_bits(v), 16);  // 0 .. 0xFFFF: packus keeps it
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
+  } else {
+    _mm256_storeu_ps(reinterpret_cast<float*>(dst), v);
+  }
+}
+
+// 8 lanes as T would hold them, back in float32.
+template <typename T>
+inline __m256 round8(__m256 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm256_castsi256_ps(bf16_rounded_bits(v));
+  } else {
+    return v;
+  }
+}
+
+// The sum and the maximum of 8 lanes.
+inline float reduce_add8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+// exp16's method for 8 lanes. scalef's p * 2^n is p * 2^(n/2) * 2^(n - n/2), both powers built in
+// the exponent bits and normal for n in -126 .. 128 (y is clamped there; 128 overflows to inf), so it
+// rounds once, as scalef does.
+inline __m256 exp8(__m256 x) {
+  __m256 y = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.f));
+  y = _mm256_min_ps(y, _mm256_set1_ps(128.f));
+  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 z = _mm256_mul_ps(_mm256_sub_ps(y, n), _mm256_set1_ps(0.693147180559945309f));
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.f / 720), z, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.f / 2));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.f));
+  const __m256i n_int = _mm256_cvtps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(n_int, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 two_to_half = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 two_to_rest =
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(n_int, half), bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, two_to_half), two_to_rest);
 }
 #endif
 

@@ -54,6 +54,18 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* residual, int64_t resi
         acc = _mm512_fmadd_ps(v, v, acc);
       }
       squares = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+      __m256 acc = _mm256_setzero_ps();
+      for (; i + 8 <= hidden; i += 8) {
+        __m256 v = widen8(xr + i);
+        if (rr != nullptr) {
+          v = round8<T>(_mm256_add_ps(v, widen8(rr + i)));
+          narrow8(sr + i, v);
+        }
+        _mm256_storeu_ps(row.data() + i, v);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      squares = reduce_add8(acc);
 #endif
       for (; i < hidden; ++i) {
         float v = load(xr[i]);
@@ -71,11 +83,17 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* residual, int64_t resi
       const __m512 scale = _mm512_set1_ps(inv);
       for (; i + 16 <= hidden; i += 16)
         narrow16(o + i, _mm512_mul_ps(widen16(weight + i), round16<T>(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), scale))));
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 scale = _mm256_set1_ps(inv);
+      for (; i + 8 <= hidden; i += 8)
+        narrow8(o + i, _mm256_mul_ps(widen8(weight + i), round8<T>(_mm256_mul_ps(_mm256_loadu_ps(row.data() + i), scale))));
 #endif
       for (; i < hidden; ++i) o[i] = T(load(weight[i]) * round_to<T>(row[i] * inv));
     }
   });
 }
+
+constexpr float kLowestGate = -88.f;  // below it silu(gate) is 0 (exp(-gate) overflows float32)
 
 template <typename T>
 void silu_and_mul_rows(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t d) {
@@ -85,17 +103,31 @@ void silu_and_mul_rows(const T* x, int64_t x_stride, T* out, int64_t rows, int64
       const T* up = gate + d;
       T* o = out + r * d;
       int64_t i = 0;
+      // Below a gate of -88, exp(-g) is inf and -ffast-math's vector division (a reciprocal estimate and a
+      // Newton step) makes g / inf NaN: silu is 0 there (it is under 1e-36). The compiler
+      // vectorises the scalar loop below too, so it says so as well.
 #if defined(__AVX512F__)
+      const __m512 lowest = _mm512_set1_ps(kLowestGate);
       for (; i + 16 <= d; i += 16) {
         const __m512 g = widen16(gate + i);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));  // exp(-g)
-        const __m512 silu = round16<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        const __m512 silu = round16<T>(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(g, lowest, _CMP_NLT_UQ),
+                                                           _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e))));
         narrow16(o + i, _mm512_mul_ps(silu, widen16(up + i)));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 lowest = _mm256_set1_ps(kLowestGate);
+      for (; i + 8 <= d; i += 8) {
+        const __m256 g = widen8(gate + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));  // exp(-g)
+        const __m256 silu = round8<T>(_mm256_and_ps(_mm256_cmp_ps(g, lowest, _CMP_NLT_UQ),
+                                                    _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e))));
+        narrow8(o + i, _mm256_mul_ps(silu, widen8(up + i)));
       }
 #endif
       for (; i < d; ++i) {
         const float gi = load(gate[i]);
-        o[i] = T(round_to<T>(gi / (1.f + std::exp(-gi))) * load(up[i]));
+        o[i] = T(round_to<T>(gi < kLowestGate ? 0.f : gi / (1.f + std::exp(-gi))) * load(up[i]));
       }
     }
   });

@@ -41,6 +41,15 @@ inline float exp_and_sum(float* s, int64_t count, float peak) {
     sum = _mm512_add_ps(sum, e);
   }
   total = _mm512_reduce_add_ps(sum);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 top = _mm256_set1_ps(peak);
+  __m256 sum = _mm256_setzero_ps();
+  for (; t + 8 <= count; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), top));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  total = reduce_add8(sum);
 #endif
   for (; t < count; ++t) {
     s[t] = std::exp(s[t] - peak);
@@ -75,6 +84,33 @@ inline void block_values(const float* probs, const T* block, int64_t count, floa
   }
   for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + 16 * c, av[c]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same two steps in 8-lane vectors. AVX2 has 16 vector registers: q is read from L1 (a memory
+// operand of the FMA) rather than held, and the value rows are accumulated 64 lanes at a time.
+template <typename T, int D>
+inline void block_scores(const float* q, const T* block, int64_t count, float* scores) {
+  for (int64_t i = 0; i < count; ++i) {
+    const T* k = block + i * D;
+    __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), widen8(k));
+    for (int c = 1; c < D / 8; ++c) sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), widen8(k + 8 * c), sum);
+    scores[i] = reduce_add8(sum);
+  }
+}
+
+template <typename T, int D>
+inline void block_values(const float* probs, const T* block, int64_t count, float* acc) {
+  constexpr int kPart = D < 64 ? D : 64;  // lanes accumulated in registers per pass over the rows
+  for (int part = 0; part < D; part += kPart) {
+    __m256 av[kPart / 8];
+    for (int c = 0; c < kPart / 8; ++c) av[c] = _mm256_loadu_ps(acc + part + 8 * c);
+    for (int64_t i = 0; i < count; ++i) {
+      const T* v = block + i * D + part;
+      const __m256 p = _mm256_set1_ps(probs[i]);
+      for (int c = 0; c < kPart / 8; ++c) av[c] = _mm256_fmadd_ps(p, widen8(v + 8 * c), av[c]);
+    }
+    for (int c = 0; c < kPart / 8; ++c) _mm256_storeu_ps(acc + part + 8 * c, av[c]);
+  }
+}
 #endif
 
 // The same two steps for any head_dim, in plain C++.
@@ -100,7 +136,7 @@ inline void prefetch_block(const void* block, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 3);
 }
 
-// D > 0: head_dim known at compile time, AVX-512 code where the build has it; D == 0: any head_dim.
+// D > 0: head_dim known at compile time, AVX-512 or AVX2 code where the build has it; D == 0: any head_dim.
 // One task is one (sequence, KV head): every query head of the group reads the same blocks, one
 // block at a time, so a block is fetched from memory once and re-read from L1 by the other heads.
 template <typename T, int D>
@@ -113,13 +149,13 @@ void decode_attention(
   const int64_t head_stride = num_blocks * block_size * dim;  // one KV head's part of the cache
 
   auto scores_of = [&](const float* q, const T* block, int64_t count, float* scores) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if constexpr (D > 0) return block_scores<T, D>(q, block, count, scores);
 #endif
     block_scores_any(q, block, count, scores, dim);
   };
   auto add_values = [&](const float* probs, const T* block, int64_t count, float* acc) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if constexpr (D > 0) return block_values<T, D>(probs, block, count, acc);
 #endif
     block_values_any(probs, block, count, acc, dim);
@@ -174,18 +210,136 @@ void decode_attention(
   });
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // Prefill attention: each sequence's chunk of queries against its cached context (which ends with
 // the chunk's own K/V), causally: query i of a chunk of q_len sits at position context - q_len + i
 // and sees keys 0 .. that position. Flash-attention style, float32 throughout, vectorised over
 // query rows: a task is (sequence, KV head, tile of kQueryTile chunk positions) for every query
 // head of the group, R = group * kQueryTile rows kept transposed ([dim][R]), so for each key
-// block (16 keys) and 16 rows the scores are 16 FMA chains over dim, the online softmax is plain
-// vector arithmetic (one lane per row), and the output accumulates with the block's values
-// broadcast from a float copy. head_dim: any multiple of 16 up to kMaxDim; block size 16.
+// block (16 keys) and a vector of rows (16 with AVX-512, 8 with AVX2) the scores are FMA chains over
+// dim, the online softmax is plain vector arithmetic (one lane per row), and the output accumulates
+// with the block's values broadcast from a float copy. head_dim: any multiple of 16 up to kMaxDim;
+// block size 16.
 constexpr int64_t kQueryTile = 64;  // a multiple of 16
 constexpr int64_t kKeys = 16;
 constexpr int64_t kMaxDim = 256;
+
+#if defined(__AVX512F__)
+constexpr int64_t kRowLanes = 16;
+
+// One key block's K and V rows as float32 ([kKeys][dim] each), zeros past `count`.
+template <typename T>
+inline void widen_block(const T* kb, const T* vb, int64_t count, int64_t dim, float* keys, float* values) {
+  for (int64_t j = 0; j < kKeys; ++j) {
+    for (int64_t d = 0; d < dim; d += 16) {
+      const bool live = j < count;
+      _mm512_storeu_ps(keys + j * dim + d, live ? widen16(kb + j * dim + d) : _mm512_setzero_ps());
+      _mm512_storeu_ps(values + j * dim + d, live ? widen16(vb + j * dim + d) : _mm512_setzero_ps());
+    }
+  }
+}
+
+// The block of keys start .. start + count - 1 against rows r0 .. r0 + 15: one online-softmax step.
+inline void attend_block(const float* q_t, const float* keys, const float* values, int64_t start, int64_t count,
+                         const int32_t* row_pos, float* row_max, float* row_sum, float* out_t, int64_t rows,
+                         int64_t dim, int64_t r0) {
+  const __m512i pos = _mm512_loadu_si512(row_pos + r0);
+  if (!_mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(start)))) return;  // none sees it
+  __m512 p[kKeys];
+  for (int j = 0; j < kKeys; ++j) p[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; ++d) {
+    const __m512 qd = _mm512_loadu_ps(q_t + d * rows + r0);
+    for (int j = 0; j < kKeys; ++j) p[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(keys[j * dim + d]), p[j]);
+  }
+  // Online softmax, one lane per row. Key j counts for a row if it exists and is not after it.
+  const __m512 old_max = _mm512_loadu_ps(row_max + r0);
+  __m512 new_max = old_max;
+  __mmask16 visible[kKeys];
+  for (int j = 0; j < kKeys; ++j) {
+    visible[j] = j < count ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(start + j)), pos) : 0;
+    new_max = _mm512_mask_max_ps(new_max, visible[j], new_max, p[j]);
+  }
+  // Rows that have seen no key yet keep -inf: subtract 0 instead (their lanes are all masked).
+  const __m512 shift = _mm512_mask_mov_ps(new_max, _mm512_cmp_ps_mask(new_max, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                          _mm512_setzero_ps());
+  const __m512 rescale = exp16(_mm512_sub_ps(old_max, shift));  // ~0 where old_max is -inf
+  __m512 total = _mm512_mul_ps(_mm512_loadu_ps(row_sum + r0), rescale);
+  for (int j = 0; j < kKeys; ++j) {
+    p[j] = _mm512_maskz_mov_ps(visible[j], exp16(_mm512_sub_ps(p[j], shift)));
+    total = _mm512_add_ps(total, p[j]);
+  }
+  _mm512_storeu_ps(row_max + r0, new_max);
+  _mm512_storeu_ps(row_sum + r0, total);
+  for (int64_t d = 0; d < dim; ++d) {
+    float* o_d = out_t + d * rows + r0;
+    __m512 o = _mm512_mul_ps(_mm512_loadu_ps(o_d), rescale);
+    for (int j = 0; j < kKeys; ++j) o = _mm512_fmadd_ps(p[j], _mm512_set1_ps(values[j * dim + d]), o);
+    _mm512_storeu_ps(o_d, o);
+  }
+}
+#else  // AVX2 and FMA
+constexpr int64_t kRowLanes = 8;
+
+template <typename T>
+inline void widen_block(const T* kb, const T* vb, int64_t count, int64_t dim, float* keys, float* values) {
+  for (int64_t j = 0; j < kKeys; ++j) {
+    for (int64_t d = 0; d < dim; d += 8) {
+      const bool live = j < count;
+      _mm256_storeu_ps(keys + j * dim + d, live ? widen8(kb + j * dim + d) : _mm256_setzero_ps());
+      _mm256_storeu_ps(values + j * dim + d, live ? widen8(vb + j * dim + d) : _mm256_setzero_ps());
+    }
+  }
+}
+
+// The same for rows r0 .. r0 + 7, in two online-softmax steps of 8 keys: 16 score vectors would not
+// fit AVX2's 16 registers beside the query and broadcast ones.
+inline void attend_block(const float* q_t, const float* keys, const float* values, int64_t start, int64_t count,
+                         const int32_t* row_pos, float* row_max, float* row_sum, float* out_t, int64_t rows,
+                         int64_t dim, int64_t r0) {
+  constexpr int kStep = 8;
+  const __m256i pos = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_pos + r0));
+  const __m256i neg_inf_bits = _mm256_castps_si256(_mm256_set1_ps(-INFINITY));
+  for (int64_t first = 0; first < count; first += kStep) {
+    // A row sees key k where k <= its position, i.e. k - 1 < position; later keys are seen by fewer rows.
+    const int32_t key0 = static_cast<int32_t>(start + first);
+    if (!_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(pos, _mm256_set1_epi32(key0 - 1))))) return;
+    const float* k_step = keys + first * dim;
+    const float* v_step = values + first * dim;
+    __m256 p[kStep];
+    for (int j = 0; j < kStep; ++j) p[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m256 qd = _mm256_loadu_ps(q_t + d * rows + r0);
+      for (int j = 0; j < kStep; ++j) p[j] = _mm256_fmadd_ps(qd, _mm256_set1_ps(k_step[j * dim + d]), p[j]);
+    }
+    const __m256 old_max = _mm256_loadu_ps(row_max + r0);
+    __m256 new_max = old_max;
+    __m256 visible[kStep];  // all-ones lanes where the key counts for the row
+    for (int j = 0; j < kStep; ++j) {
+      visible[j] = first + j < count
+                       ? _mm256_castsi256_ps(_mm256_cmpgt_epi32(pos, _mm256_set1_epi32(key0 + j - 1)))
+                       : _mm256_setzero_ps();
+      new_max = _mm256_blendv_ps(new_max, _mm256_max_ps(new_max, p[j]), visible[j]);
+    }
+    // -inf found by its bits (an integer compare, which -ffast-math can't fold away): subtract 0 there.
+    const __m256 unseen = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_castps_si256(new_max), neg_inf_bits));
+    const __m256 shift = _mm256_andnot_ps(unseen, new_max);
+    const __m256 rescale = exp8(_mm256_sub_ps(old_max, shift));  // ~0 where old_max is -inf
+    __m256 total = _mm256_mul_ps(_mm256_loadu_ps(row_sum + r0), rescale);
+    for (int j = 0; j < kStep; ++j) {
+      p[j] = _mm256_and_ps(visible[j], exp8(_mm256_sub_ps(p[j], shift)));
+      total = _mm256_add_ps(total, p[j]);
+    }
+    _mm256_storeu_ps(row_max + r0, new_max);
+    _mm256_storeu_ps(row_sum + r0, total);
+    for (int64_t d = 0; d < dim; ++d) {
+      float* o_d = out_t + d * rows + r0;
+      __m256 o = _mm256_mul_ps(_mm256_loadu_ps(o_d), rescale);
+      for (int j = 0; j < kStep; ++j) o = _mm256_fmadd_ps(p[j], _mm256_set1_ps(v_step[j * dim + d]), o);
+      _mm256_storeu_ps(o_d, o);
+    }
+  }
+}
+#endif
 
 template <typename T>
 void prefill_attention(
@@ -242,50 +396,11 @@ void prefill_attention(
         for (int64_t start = 0; start <= last_pos; start += kKeys) {
           const int64_t count = std::min(kKeys, context - start);
           const int64_t block = table[start / kKeys];
-          const T* kb = key_head + block * kKeys * dim;
-          const T* vb = value_head + block * kKeys * dim;
-          for (int64_t j = 0; j < kKeys; ++j) {
-            for (int64_t d = 0; d < dim; d += 16) {
-              const bool live = j < count;
-              _mm512_storeu_ps(keys.data() + j * dim + d, live ? widen16(kb + j * dim + d) : _mm512_setzero_ps());
-              _mm512_storeu_ps(values.data() + j * dim + d, live ? widen16(vb + j * dim + d) : _mm512_setzero_ps());
-            }
-          }
-          for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-            const __m512i pos = _mm512_loadu_si512(row_pos.data() + r0);
-            if (!_mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(start)))) continue;  // none sees it
-            __m512 p[kKeys];
-            for (int j = 0; j < kKeys; ++j) p[j] = _mm512_setzero_ps();
-            for (int64_t d = 0; d < dim; ++d) {
-              const __m512 qd = _mm512_loadu_ps(q_t.data() + d * rows + r0);
-              for (int j = 0; j < kKeys; ++j) p[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(keys[j * dim + d]), p[j]);
-            }
-            // Online softmax, one lane per row. Key j counts for a row if it exists and is not after it.
-            const __m512 old_max = _mm512_loadu_ps(row_max.data() + r0);
-            __m512 new_max = old_max;
-            __mmask16 visible[kKeys];
-            for (int j = 0; j < kKeys; ++j) {
-              visible[j] = j < count ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(start + j)), pos) : 0;
-              new_max = _mm512_mask_max_ps(new_max, visible[j], new_max, p[j]);
-            }
-            // Rows that have seen no key yet keep -inf: subtract 0 instead (their lanes are all masked).
-            const __m512 shift = _mm512_mask_mov_ps(new_max, _mm512_cmp_ps_mask(new_max, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
-                                                    _mm512_setzero_ps());
-            const __m512 rescale = exp16(_mm512_sub_ps(old_max, shift));  // ~0 where old_max is -inf
-            __m512 total = _mm512_mul_ps(_mm512_loadu_ps(row_sum.data() + r0), rescale);
-            for (int j = 0; j < kKeys; ++j) {
-              p[j] = _mm512_maskz_mov_ps(visible[j], exp16(_mm512_sub_ps(p[j], shift)));
-              total = _mm512_add_ps(total, p[j]);
-            }
-            _mm512_storeu_ps(row_max.data() + r0, new_max);
-            _mm512_storeu_ps(row_sum.data() + r0, total);
-            for (int64_t d = 0; d < dim; ++d) {
-              float* o_d = out_t.data() + d * rows + r0;
-              __m512 o = _mm512_mul_ps(_mm512_loadu_ps(o_d), rescale);
-              for (int j = 0; j < kKeys; ++j) o = _mm512_fmadd_ps(p[j], _mm512_set1_ps(values[j * dim + d]), o);
-              _mm512_storeu_ps(o_d, o);
-            }
-          }
+          widen_block(key_head + block * kKeys * dim, value_head + block * kKeys * dim, count, dim, keys.data(),
+                      values.data());
+          for (int64_t r0 = 0; r0 < rows; r0 += kRowLanes)
+            attend_block(q_t.data(), keys.data(), values.data(), start, count, row_pos.data(), row_max.data(),
+                         row_sum.data(), out_t.data(), rows, dim, r0);
         }
         for (int64_t g = 0; g < group; ++g) {
           for (int64_t i = 0; i < tile; ++i) {
@@ -333,7 +448,7 @@ void check_attention_inputs(const at::Tensor& query, const at::Tensor& kv_cache,
 }
 
 bool prefill_supported(int64_t head_dim, int64_t block_size) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return head_dim % 16 == 0 && head_dim <= kMaxDim && block_size == kKeys;
 #else
   return false;
@@ -344,7 +459,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
                                    const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale) {
   check_attention_inputs(query, kv_cache, "paged_prefill_attention");
   TORCH_CHECK(prefill_supported(query.size(2), kv_cache.size(3)),
-              "paged_prefill_attention: needs AVX-512, head_dim a multiple of 16 (<= 256) and block_size 16");
+              "paged_prefill_attention: needs AVX-512 or AVX2, head_dim a multiple of 16 (<= 256) and block_size 16");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt,
               "paged_prefill_attention: block_tables, query_start_loc and context_lens must be int32");
@@ -365,7 +480,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
                   "paged_prefill_attention: a chunk longer than its context, or query_start_loc not ascending");
   }
   at::Tensor out = at::empty_like(q);
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), dim = q.size(2);
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;

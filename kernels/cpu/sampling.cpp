@@ -48,6 +48,10 @@ float row_max(const float* x, int64_t n) {
   __m512 acc = _mm512_set1_ps(m);
   for (; i + 16 <= n; i += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(x + i));
   m = _mm512_reduce_max_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(x + i));
+  m = reduce_max8(acc);
 #endif
   for (; i < n; ++i) m = std::max(m, x[i]);
   return m;
@@ -134,6 +138,21 @@ double fill_probs(const float* x, int64_t n, float max, float inv_temperature, f
       acc = _mm512_add_pd(acc, _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(p)), _mm512_cvtps_pd(high)));
     }
     sum = _mm512_reduce_add_pd(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 vmax = _mm256_set1_ps(max), vinv = _mm256_set1_ps(inv_temperature);
+    const __m256 vfloor = _mm256_set1_ps(floor), vmin_exp = _mm256_set1_ps(kMinExponent);
+    __m256d acc = _mm256_setzero_pd();
+    for (; i + 8 <= end; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 arg = _mm256_mul_ps(_mm256_sub_ps(v, vmax), vinv);
+      const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, vfloor, _CMP_GE_OQ), _mm256_cmp_ps(arg, vmin_exp, _CMP_GE_OQ));
+      const __m256 p = _mm256_and_ps(keep, exp8(arg));
+      _mm256_storeu_ps(e + i, p);
+      acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(p)),
+                                             _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1))));
+    }
+    const __m128d pair = _mm_add_pd(_mm256_castpd256_pd128(acc), _mm256_extractf128_pd(acc, 1));
+    sum = _mm_cvtsd_f64(_mm_add_sd(pair, _mm_unpackhi_pd(pair, pair)));
 #endif
     for (; i < end; ++i) {
       const float arg = (x[i] - max) * inv_temperature;
@@ -196,6 +215,9 @@ bool top_k_candidates(const float* x, int64_t n, int64_t k, std::vector<float>& 
   scratch.resize(num_groups);
 #if defined(__AVX512F__)
   for (int64_t g = 0; g < num_groups; ++g) scratch[g] = _mm512_reduce_max_ps(_mm512_loadu_ps(x + 16 * g));
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int64_t g = 0; g < num_groups; ++g)
+    scratch[g] = reduce_max8(_mm256_max_ps(_mm256_loadu_ps(x + 16 * g), _mm256_loadu_ps(x + 16 * g + 8)));
 #else
   for (int64_t g = 0; g < num_groups; ++g) scratch[g] = *std::max_element(x + 16 * g, x + 16 * g + 16);
 #endif

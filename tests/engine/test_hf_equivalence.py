@@ -8,6 +8,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from kernels import cpu_native
+from kernels.backend import native_cpu_backend
 
 MAX_NEW = 12
 
@@ -49,12 +51,24 @@ def test_one_prompt(tiny_llama_dir, hf_greedy):
     assert got == expected
 
 
-@pytest.mark.parametrize("kernel_backend", ["cpu", "torch"])  # native C++ decode attention, references
-def test_sixteen_prompts_of_lengths_1_to_300_submitted_together(tiny_llama_dir, hf_greedy, prompts16, kernel_backend):
+# the native C++ kernels (each build this CPU runs: kernels/cpu_native.py, "cpu-avx2" its AVX2 build), the references
+NATIVE_BUILDS = {("cpu" if target == "native" else f"cpu-{target}"): target for target in cpu_native.runnable_isas()}
+
+
+@pytest.mark.parametrize("kernel_backend", [*NATIVE_BUILDS, "torch"])
+def test_sixteen_prompts_of_lengths_1_to_300_submitted_together(
+    tiny_llama_dir, hf_greedy, prompts16, kernel_backend, monkeypatch
+):
     expected = hf_greedy(tiny_llama_dir, prompts16, MAX_NEW, ignore_eos=True)
     assert_diverse(expected)
-    llm, got = run_llm(tiny_llama_dir, prompts16, kernel_backend=kernel_backend)
-    assert llm.engine.executor.runner.backend.name == kernel_backend
+    if kernel_backend in NATIVE_BUILDS:
+        monkeypatch.setenv("SHARDSERVE_CPU_ISA", NATIVE_BUILDS[kernel_backend])
+    llm, got = run_llm(tiny_llama_dir, prompts16, kernel_backend=kernel_backend.split("-")[0])
+    backend = llm.engine.executor.runner.backend
+    if kernel_backend in NATIVE_BUILDS:
+        assert backend is native_cpu_backend(NATIVE_BUILDS[kernel_backend])
+    else:
+        assert backend.name == kernel_backend
     assert got == expected
 
 

@@ -7,15 +7,31 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from native_builds import NATIVE_BACKENDS, TARGETS, native_backend  # noqa: E402
 
-from kernels.backend import KernelBackend, get_backend  # noqa: E402
+from kernels.backend import KernelBackend, get_backend, native_cpu_backend  # noqa: E402
 
 
-@pytest.fixture(params=["torch", "cpu", "triton"])
+@pytest.fixture(params=["torch", *NATIVE_BACKENDS, "triton"])
 def backend(request) -> KernelBackend:
     """Every shared kernel test runs once per implementation ("cpu": the native C++ kernels, built
-    on first use; a machine that can't build them fails here rather than skipping them)."""
+    on first use; a machine that can't build them fails here rather than skipping them; "cpu-avx2":
+    their AVX2 build too, where this CPU runs both it and AVX-512, native_builds.py)."""
+    if request.param in NATIVE_BACKENDS:
+        return native_backend(request.param)
     return get_backend(request.param, "cpu")
+
+
+@pytest.fixture(params=NATIVE_BACKENDS)
+def native_target(request) -> str:
+    """The tests of the native kernels alone run once per build (native_builds.py): its cpu_native target."""
+    return TARGETS[request.param]
+
+
+@pytest.fixture
+def native(native_target) -> KernelBackend:
+    """The `cpu` backend of native_target's build."""
+    return native_cpu_backend(native_target)
 
 
 @pytest.fixture

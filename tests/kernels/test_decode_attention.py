@@ -5,7 +5,6 @@ import torch
 from kernel_float64_spec import assert_close_to_spec, decode_attention
 from paged_inputs import random_kv_cache, scattered_block_tables
 
-from kernels.backend import get_backend
 from kernels.decode_attention_triton import choose_num_splits, paged_decode_attention_triton
 
 pytestmark = pytest.mark.usefixtures("poisoned_allocations")
@@ -86,8 +85,8 @@ def test_triton_decode_never_reads_the_block_table_past_a_context():
     "head_dim, group, dtype",
     [(80, 3, torch.float32), (96, 7, torch.bfloat16), (64, 8, torch.bfloat16), (128, 1, torch.float32)],
 )
-def test_native_cpu_decode_handles_any_head_dim_and_group(head_dim, group, dtype):
-    """The C++ kernel has AVX-512 code for head_dim 64 and 128 and plain code for the rest; groups
+def test_native_cpu_decode_handles_any_head_dim_and_group(native, head_dim, group, dtype):
+    """The C++ kernel has AVX-512 and AVX2 code for head_dim 64 and 128 and plain code for the rest; groups
     of any size (Qwen2-7B shares a KV head among 7 query heads) and contexts of one to many blocks."""
     generator = torch.Generator().manual_seed(head_dim * 10 + group)
     context_lens = [1, 15, 16, 17, 250, 97]
@@ -96,7 +95,7 @@ def test_native_cpu_decode_handles_any_head_dim_and_group(head_dim, group, dtype
     query = torch.randn(len(context_lens), NUM_KV_HEADS * group, head_dim, generator=generator).to(dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32)
 
-    out = get_backend("cpu", "cpu").paged_decode_attention(query, kv_cache, block_tables, lens, 0.1)
+    out = native.paged_decode_attention(query, kv_cache, block_tables, lens, 0.1)
 
     assert out.dtype == dtype and out.shape == query.shape
     assert_close_to_spec(out, decode_attention(query, kv_cache, block_tables, lens, 0.1), dtype)

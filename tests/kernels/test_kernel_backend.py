@@ -10,7 +10,7 @@ import torch
 
 from kernels import cpu_native
 from kernels.attention import paged_decode_attention_torch
-from kernels.backend import TORCH, get_backend
+from kernels.backend import TORCH, get_backend, native_cpu_backend
 
 
 def test_auto_on_cpu_is_the_native_backend_even_under_the_interpreter():
@@ -43,6 +43,31 @@ def test_native_kernels_can_be_switched_off(monkeypatch):
     assert not cpu_native.enabled()
     monkeypatch.setenv("SHARDSERVE_CPU_KERNELS", "1")
     assert cpu_native.enabled()
+
+
+def test_each_build_runs_the_vector_code_of_its_target(native_target):
+    """The native build runs the widest vector code the CPU has; the avx2 build (-march=haswell) AVX2's
+    even on an AVX-512 CPU, so those paths, AMD Zen 2 and 3's, are tested there too."""
+    flags = cpu_native.cpu_flags()
+    if native_target == "avx2":
+        expected = "avx2"
+    elif "avx512f" in flags:
+        expected = "avx512"
+    else:
+        expected = "avx2" if {"avx2", "fma"} <= flags else "scalar"
+    assert cpu_native.load(native_target).vector_isa() == expected
+
+
+def test_shardserve_cpu_isa_picks_the_build_cpu_and_auto_run(monkeypatch, native_target):
+    monkeypatch.setenv("SHARDSERVE_CPU_ISA", native_target)
+    assert get_backend("cpu", "cpu") is native_cpu_backend(native_target)
+    assert get_backend("auto", "cpu") is native_cpu_backend(native_target)
+
+
+def test_an_unknown_shardserve_cpu_isa_is_rejected_with_the_choices(monkeypatch):
+    monkeypatch.setenv("SHARDSERVE_CPU_ISA", "avx10")
+    with pytest.raises(ValueError, match="SHARDSERVE_CPU_ISA='avx10': choose one of native, avx2"):
+        get_backend("cpu", "cpu")
 
 
 def test_switched_off_auto_is_the_plain_reference():
@@ -97,9 +122,8 @@ def test_the_torch_backend_runs_without_importing_triton():
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120, cwd=Path(__file__).parents[2])
 
 
-def test_native_kernels_refuse_tables_and_positions_outside_the_cache():
+def test_native_kernels_refuse_tables_and_positions_outside_the_cache(native_target, native):
     """They read blocks and cos/sin rows by index: bad indices are a clear error, never a stray read."""
-    native = get_backend("cpu", "cpu")
     kv_cache = torch.zeros(2, 2, 4, 16, 64)
     query = torch.zeros(1, 4, 64)
     lens = torch.tensor([20], dtype=torch.int32)
@@ -108,12 +132,13 @@ def test_native_kernels_refuse_tables_and_positions_outside_the_cache():
     with pytest.raises(RuntimeError, match="exceeds its 1-block table"):
         native.paged_decode_attention(query, kv_cache, torch.tensor([[0]], dtype=torch.int32), lens, 0.1)
     starts = torch.tensor([0, 1], dtype=torch.int32)
-    # the native prefill kernel itself: built with AVX-512 it checks the table; without, it refuses to run
-    # (and the backend runs the torch reference)
-    expected = "block id -1 outside" if cpu_native.prefill_supported(64, 16) else "needs AVX-512"
+    # the native prefill kernel itself: built with AVX-512 or AVX2 it checks the table; without, it refuses to
+    # run (and the backend runs the torch reference)
+    expected = "block id -1 outside" if cpu_native.prefill_supported(64, 16, native_target) else "needs AVX-512"
     with pytest.raises(RuntimeError, match=expected):
-        cpu_native.load().paged_prefill_attention(query, kv_cache, torch.tensor([[0, -1]], dtype=torch.int32), starts,
-                                                  lens, 0.1)
+        cpu_native.load(native_target).paged_prefill_attention(
+            query, kv_cache, torch.tensor([[0, -1]], dtype=torch.int32), starts, lens, 0.1
+        )
     cos_sin = torch.zeros(8, 64)
     with pytest.raises(RuntimeError, match="position 8 outside"):
         native.rotary_embedding(torch.tensor([8]), query, torch.zeros(1, 2, 64), cos_sin)

@@ -65,22 +65,17 @@ def test_prefill_of_a_one_token_chunk_equals_decode(backend):
     torch.testing.assert_close(prefill, decode, rtol=1e-5, atol=1e-6)
 
 
-def cpu_has_avx512() -> bool:
-    with open("/proc/cpuinfo") as cpuinfo:
-        return " avx512f" in cpuinfo.read()
-
-
 @pytest.mark.parametrize(
     "head_dim, group, dtype", [(96, 3, torch.float32), (64, 7, torch.bfloat16), (256, 1, torch.float32)]
 )
-def test_native_cpu_prefill_over_many_query_tiles_and_blocks(head_dim, group, dtype):
+def test_native_cpu_prefill_over_many_query_tiles_and_blocks(native_target, native, head_dim, group, dtype):
     """The C++ kernel tiles 64 chunk positions at a time: chunks longer than a tile, starting
     mid-block after a cached prefix, one-token chunks, odd group sizes, head_dim up to 256."""
     from kernels import cpu_native
-    from kernels.backend import get_backend
 
-    # the native kernel, not the reference, runs wherever it was built with AVX-512 (-march=native)
-    assert cpu_native.prefill_supported(head_dim, 16) == cpu_has_avx512()
+    # the native kernel, not the reference, runs wherever it was built with vector code (AVX-512 or AVX2)
+    has_vector_code = cpu_native.load(native_target).vector_isa() != "scalar"
+    assert cpu_native.prefill_supported(head_dim, 16, native_target) == has_vector_code
     generator = torch.Generator().manual_seed(head_dim + group)
     chunks = [(0, 200), (130, 75), (64, 64), (3, 1), (0, 65)]
     context_lens = [cached + new for cached, new in chunks]
@@ -91,14 +86,15 @@ def test_native_cpu_prefill_over_many_query_tiles_and_blocks(head_dim, group, dt
     query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(context_lens, dtype=torch.int32)
 
-    out = get_backend("cpu", "cpu").paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, lens, 0.1)
+    out = native.paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, lens, 0.1)
 
     assert out.dtype == dtype and out.shape == query.shape
     assert_close_to_spec(out, prefill_attention(query, kv_cache, block_tables, query_start_loc, lens, 0.1), dtype)
 
 
-def test_native_cpu_prefill_leaves_what_it_cannot_take_to_the_reference():
+def test_native_cpu_prefill_leaves_what_it_cannot_take_to_the_reference(native_target):
     from kernels import cpu_native
 
-    assert not cpu_native.prefill_supported(72, 16)  # head_dim not a multiple of 16
-    assert not cpu_native.prefill_supported(64, 32)  # blocks of 32 tokens
+    assert not cpu_native.prefill_supported(72, 16, native_target)  # head_dim not a multiple of 16
+    assert not cpu_native.prefill_supported(64, 32, native_target)  # blocks of 32 tokens
+    assert not cpu_native.prefill_supported(272, 16, native_target)  # head_dim over 256

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from kernel_float64_spec import sample_tokens as sample_tokens_spec
+from native_builds import NATIVE_BACKENDS
 
 from kernels.sampling import counter_uniforms, sequence_seed
 
@@ -78,7 +79,7 @@ def test_filters_never_let_a_token_outside_the_kept_set_through(backend):
 CHI2_CRITICAL_0_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46}
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"], indirect=True)
+@pytest.mark.parametrize("backend", ["torch", *NATIVE_BACKENDS], indirect=True)
 def test_draws_follow_the_softmax_at_temperature_0_7_within_top_p_0_9(backend):
     logits = torch.tensor([[2.0, 1.6, 1.1, 0.9, 0.2, -0.5, -1.0, -3.0]])
     temperature, top_p, draws = 0.7, 0.9, 20000
