@@ -88,10 +88,11 @@ NATIVE_DTYPES = (
 
 
 @functools.cache
-def _native_cpu_backend(target: str) -> KernelBackend | None:
+def _native_cpu_backend(target: str, reference_bf16_prefill: bool) -> KernelBackend | None:
     """The native CPU kernels (attention, RMSNorm, SiLU-and-mul, rotary, sampling, the grammar mask; the KV write stays the
     reference's index_copy_) built for `target` (kernels/cpu_native.py's ISA_FLAGS), each falling back to its
-    reference for inputs it doesn't take; or None where the extension can't be built."""
+    reference for inputs it doesn't take (and, with `reference_bf16_prefill`, bfloat16 prefill attention); or None
+    where the extension can't be built."""
     native = cpu_native.load(target)
     if native is None:
         return None
@@ -110,6 +111,7 @@ def _native_cpu_backend(target: str) -> KernelBackend | None:
     ):
         if (
             query.dtype in NATIVE_DTYPES
+            and not (reference_bf16_prefill and query.dtype == torch.bfloat16)
             and native.prefill_supported(query.shape[-1], kv_cache.shape[3])
             and block_tables.dtype == query_start_loc.dtype == context_lens.dtype == torch.int32
         ):
@@ -163,6 +165,15 @@ def _native_cpu_backend(target: str) -> KernelBackend | None:
 
 
 @functools.cache
+def reference_bf16_prefill_is_faster() -> bool:
+    """On an AMX CPU, torch's own attention (oneDNN's AMX tiles) runs bfloat16 prefill faster than the native
+    flash loop, which multiplies with AVX-512 FMAs: the reference took 0.6-0.7x the native kernel's time on
+    the bench model's shapes (docs/BENCHMARKS.md, "Kernels", Intel Xeon with AMX, 2026-12-03). Without AMX the
+    native kernel is the faster one (2.5x on the AMD EPYC with avx512_bf16)."""
+    return "amx_bf16" in cpu_native.cpu_flags()
+
+
+@functools.cache
 def cpu_supports_bf16() -> bool:
     """AVX512-BF16 or AMX: bfloat16 matrix products run natively on this CPU (else float32 is faster)."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_native.cpu_flags())
@@ -181,9 +192,11 @@ def get_backend(name: str = "auto", device_type: str = "cpu") -> KernelBackend:
     if name == "auto":
         if device_type == "cuda":
             return _triton_backend()
-        return (_native_cpu_backend(cpu_native.isa()) or TORCH) if device_type == "cpu" else TORCH
+        return (_native_cpu_backend(cpu_native.isa(), reference_bf16_prefill_is_faster()) or TORCH
+                if device_type == "cpu" else TORCH)
     if name == "cpu":
-        native = _native_cpu_backend(cpu_native.isa()) if device_type == "cpu" else None
+        native = (_native_cpu_backend(cpu_native.isa(), reference_bf16_prefill_is_faster())
+                  if device_type == "cpu" else None)
         if native is None:
             raise ValueError(
                 f"kernel backend 'cpu' needs a CPU device and the native kernels built (device {device_type!r}; "
@@ -202,8 +215,9 @@ def get_backend(name: str = "auto", device_type: str = "cpu") -> KernelBackend:
 
 def native_cpu_backend(target: str) -> KernelBackend:
     """The `cpu` backend built for `target` ("native" or "avx2", kernels/cpu_native.py) whatever
-    SHARDSERVE_CPU_ISA says: the tests run it for each of cpu_native.runnable_isas()."""
-    native = _native_cpu_backend(target)
+    SHARDSERVE_CPU_ISA says, with every op native where it can be: the tests run it for each of
+    cpu_native.runnable_isas()."""
+    native = _native_cpu_backend(target, reference_bf16_prefill=False)
     if native is None:
         raise ValueError(f"the native CPU kernels for {target!r} are not built (see kernels/cpu_native.py)")
     return native

@@ -59,9 +59,11 @@ def test_each_build_runs_the_vector_code_of_its_target(native_target):
 
 
 def test_shardserve_cpu_isa_picks_the_build_cpu_and_auto_run(monkeypatch, native_target):
+    from kernels.backend import _native_cpu_backend, reference_bf16_prefill_is_faster
+
     monkeypatch.setenv("SHARDSERVE_CPU_ISA", native_target)
-    assert get_backend("cpu", "cpu") is native_cpu_backend(native_target)
-    assert get_backend("auto", "cpu") is native_cpu_backend(native_target)
+    engines = _native_cpu_backend(native_target, reference_bf16_prefill_is_faster())
+    assert get_backend("cpu", "cpu") is engines and get_backend("auto", "cpu") is engines
 
 
 def test_an_unknown_shardserve_cpu_isa_is_rejected_with_the_choices(monkeypatch):
@@ -142,3 +144,24 @@ def test_native_kernels_refuse_tables_and_positions_outside_the_cache(native_tar
     cos_sin = torch.zeros(8, 64)
     with pytest.raises(RuntimeError, match="position 8 outside"):
         native.rotary_embedding(torch.tensor([8]), query, torch.zeros(1, 2, 64), cos_sin)
+
+
+def test_the_engines_backend_leaves_bfloat16_prefill_to_the_reference_exactly_where_the_cpu_has_amx():
+    """bfloat16 prefill attention: torch's (oneDNN on AMX tiles) where the CPU has AMX, the native kernel
+    elsewhere; float32 stays native everywhere. native_cpu_backend, which the kernel tests use, is all native."""
+    from kernels.backend import reference_bf16_prefill_is_faster
+
+    generator = torch.Generator().manual_seed(4)
+    lens = torch.tensor([40, 23], dtype=torch.int32)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    starts = torch.tensor([0, 40, 63], dtype=torch.int32)
+    engines, native = get_backend("cpu", "cpu"), native_cpu_backend(cpu_native.isa())
+    for dtype in (torch.bfloat16, torch.float32):
+        kv_cache = torch.randn(2, 2, 6, 16, 64, generator=generator).to(dtype)
+        query = torch.randn(63, 4, 64, generator=generator).to(dtype)
+        args = (query, kv_cache, tables, starts, lens, 0.125)
+        out, by_torch, by_native = (b.paged_prefill_attention(*args) for b in (engines, TORCH, native))
+        assert not torch.equal(by_torch, by_native)  # the two are told apart
+        expected = by_torch if dtype == torch.bfloat16 and "amx_bf16" in cpu_native.cpu_flags() else by_native
+        assert torch.equal(out, expected), dtype
+    assert reference_bf16_prefill_is_faster() == ("amx_bf16" in cpu_native.cpu_flags())
