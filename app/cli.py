@@ -19,6 +19,8 @@ import typing
 from typing import Any
 
 from app.config import ServeArgs
+from app.control_plane import apply_control_plane
+from app.direct_ingress import direct_ingress_env, free_port, resolve_http_ingress
 from app.ray_cluster import (
     adopt_orphaned_descendants,
     end_leftover_processes,
@@ -124,6 +126,16 @@ def serve(args: ServeArgs, ray_address: str | None = None) -> None:
     if ray_on_loopback:  # set before Ray starts: every Ray port then listens on 127.0.0.1 only
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     use_openai_errors_in_serve_proxy()  # and Serve's own 429 and 503 come in OpenAI's shape
+    try:
+        ingress = resolve_http_ingress(args, own_cluster=ray_address is None)
+    except ValueError as e:
+        raise SystemExit(f"shardserve serve: {e}") from None
+    proxy_port = args.port
+    if ray_address is None:  # our own Ray: its processes start with the profile's periods
+        apply_control_plane(args.control_plane)
+    if ingress == "direct":  # set before Ray starts, as the proxy's middleware is: Serve reads them at import
+        os.environ.update(direct_ingress_env(args.port))
+        proxy_port = free_port(args.host)  # the head's fallback proxy, off the replica's port
     from ray import serve as ray_serve
 
     from app.deployment import build_app, served_model_name
@@ -132,7 +144,8 @@ def serve(args: ServeArgs, ray_address: str | None = None) -> None:
     scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from other machines"
     ray_scope = ("Ray ports listen on 127.0.0.1 only" if ray_on_loopback else
                  f"Ray talks on this machine's address, to the cluster at {ray_address}")
-    logger.info("binding HTTP to %s:%d (%s); %s", args.host, args.port, scope, ray_scope)
+    logger.info("binding HTTP to %s:%d (%s); %s answers it; %s", args.host, args.port, scope,
+                "the ingress replica itself (direct ingress)" if ingress == "direct" else "Serve's proxy", ray_scope)
     own_cluster = connect_to_ray(args, ray_address)
     stop, hurry = threading.Event(), threading.Event()  # the first signal drains, a second one stops at once
     cluster_gone = False
@@ -145,7 +158,7 @@ def serve(args: ServeArgs, ray_address: str | None = None) -> None:
     try:
         coordinator = start_coordinator(APP_NAME)  # before the replicas start: they look it up (app/drain.py)
         # the proxy on the head node only, as configs/serve.yaml has it: worker nodes hold replicas
-        ray_serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
+        ray_serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": proxy_port})
         failed: list[BaseException] = []
 
         def deploy() -> None:

@@ -107,6 +107,14 @@ class ServeArgs(BaseModel):
     host: str = Field("127.0.0.1", description=(
         "address to listen on: 127.0.0.1 is this machine only, 0.0.0.0 every interface"))
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    http_ingress: Literal["auto", "direct", "proxy"] = Field("auto", description=(
+        "what answers HTTP on --port: direct (the app's one ingress replica itself, Serve's direct ingress: no "
+        "proxy hop), proxy (Serve's HTTP proxy); auto: direct on shardserve's own local Ray where the app has "
+        "exactly one ingress replica, else proxy"))
+    control_plane: Literal["default", "quiet"] = Field("quiet", description=(
+        "how often Ray's and Serve's own processes wake up on the cores the engine uses: quiet (the "
+        "controller's loop, the raylet's reports and Serve's metrics flush 5-10x slower, app/control_plane.py), "
+        "default (Ray's own periods); set on shardserve's own local Ray, a joined cluster keeps its environment's"))
     api_key: str | None = Field(None, description=(
         "require `Authorization: Bearer <key>` on every /v1 route (default: no key)"))
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(

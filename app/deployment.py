@@ -27,6 +27,7 @@ from starlette.types import Message
 from app.api import StreamBatching, build_api, engine_stats_dict
 from app.autoscaling import QUEUE_DEPTH_METRIC, autoscaling_config
 from app.config import ServeArgs
+from app.direct_ingress import reuse_the_port_of_a_dead_replica
 from app.drain import POLL_S, DrainGate, DrainState, ReplicaDrain
 from app.errors import RETRY_AFTER_S
 from app.forwarding import ForwardedRequest, answer_forwarded
@@ -167,6 +168,7 @@ class LLMServer:
 
         _configure_logging()
         _keep_replica_grpc_on_loopback()
+        reuse_the_port_of_a_dead_replica()  # where this replica answers HTTP itself (app/direct_ingress.py)
         self.args = ServeArgs.model_validate(args)
         # auto is decided here, where the replica runs, from the GPU Ray reserved for it (or not)
         self.args = self.args.model_copy(update={"device": replica_device(self.args)})
@@ -264,6 +266,7 @@ class OpenAIIngress:
 
         _configure_logging()
         _keep_replica_grpc_on_loopback()
+        reuse_the_port_of_a_dead_replica()  # where this replica answers HTTP itself (app/direct_ingress.py)
         self.args = ServeArgs.model_validate(args)
         name = served_model_name(self.args)
         self.metrics = IngressMetrics(TELEMETRY, name)

@@ -3,8 +3,8 @@
 At concurrency 1, for 1-token and 128-token requests (a 64-token prompt, greedy, ignore_eos),
 times TTFT and total latency as the median of --repeats requests:
   (a) in process: `AsyncLLMEngine.generate()` on the same model and settings;
-  (b) through `shardserve serve` (Ray Serve proxy, replica, FastAPI, SSE) with a streaming
-      /v1/completions request from an httpx client on 127.0.0.1.
+  (b) through `shardserve serve` (--http-ingress direct: the replica's own HTTP server; proxy: Ray Serve's
+      proxy in front; then FastAPI, SSE) with a streaming /v1/completions request from an httpx client on 127.0.0.1.
 The difference is the serving path's overhead (issue target: ≤ 5 ms on median TTFT).
 Then under load: --load-prompts prompts of --load-prompt-tokens token ids → 128 tokens at concurrency
 --load-concurrency, greedy and sampled (temperature 1.0), generated tokens per second (a) in process and
@@ -154,6 +154,8 @@ def main(argv=None) -> None:
     parser.add_argument("--load-prompts", type=int, default=150)
     parser.add_argument("--load-prompt-tokens", type=int, default=512)
     parser.add_argument("--no-load", dest="load", action="store_false", help="concurrency 1 only")
+    parser.add_argument("--http-ingress", default="direct,proxy",
+                        help="the servers' --http-ingress, one served run each, in this order (default direct,proxy)")
     parser.add_argument("--write-doc", action="store_true")
     args = parser.parse_args(argv)
 
@@ -173,48 +175,55 @@ def main(argv=None) -> None:
     if args.load:
         loads["engine"] = asyncio.run(in_process_loads(model_dir, args.dtype, load_ids, args.load_concurrency))
         print(f"in process: {loads['engine']}", flush=True)
-    server = ServerProcess(model_dir, extra_args=["--dtype", args.dtype, "--max-model-len", "1024"])
-    with server.start(timeout_s=300):
-        model = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-        for output_tokens in (1, 128):
-            results[("serve", output_tokens)] = through_serve(server.base_url, model, ids, output_tokens)
-        if args.load:
-            c = args.load_concurrency
-            asyncio.run(served_load(server.base_url, model, load_ids["warm-up"], 2, c, 1.0))
-            loads["serve"] = {
-                mode: asyncio.run(served_load(server.base_url, model, load_ids[mode], 128, c, temperature))
-                for mode, temperature in LOAD_MODES.items()
-            }
-            print(f"served: {loads['serve']}", flush=True)
+    ingresses = args.http_ingress.split(",")
+    for ingress in ingresses:
+        server = ServerProcess(model_dir, extra_args=["--dtype", args.dtype, "--max-model-len", "1024",
+                                                      "--http-ingress", ingress])
+        with server.start(timeout_s=300):
+            model = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+            for output_tokens in (1, 128):
+                results[(ingress, output_tokens)] = through_serve(server.base_url, model, ids, output_tokens)
+            if args.load:
+                c = args.load_concurrency
+                asyncio.run(served_load(server.base_url, model, load_ids["warm-up"], 2, c, 1.0))
+                loads[ingress] = {
+                    mode: asyncio.run(served_load(server.base_url, model, load_ids[mode], 128, c, temperature))
+                    for mode, temperature in LOAD_MODES.items()
+                }
+                print(f"served ({ingress} ingress): {loads[ingress]}", flush=True)
 
     lines = [
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, 2-core CPU, model "
         f"{Path(model_dir).name} ({args.dtype}), {args.prompt_tokens}-token prompts, concurrency 1, "
         f"median of {args.repeats} requests each (after one warm-up).",
         "",
-        "| output tokens | TTFT in-process ms | TTFT through Serve ms | TTFT added ms | latency in-process ms "
-        "| latency through Serve ms | latency added ms |",
-        "|---|---|---|---|---|---|---|",
+        "| HTTP ingress | output tokens | TTFT in-process ms | TTFT served ms | TTFT added ms | latency in-process ms "
+        "| latency served ms | latency added ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for output_tokens in (1, 128):
-        e_ttft, e_lat = (statistics.median(v) * 1e3 for v in results[("engine", output_tokens)])
-        s_ttft, s_lat = (statistics.median(v) * 1e3 for v in results[("serve", output_tokens)])
-        lines.append(
-            f"| {output_tokens} | {e_ttft:.1f} | {s_ttft:.1f} | {s_ttft - e_ttft:+.1f} | {e_lat:.1f} | "
-            f"{s_lat:.1f} | {s_lat - e_lat:+.1f} |"
-        )
+    for ingress in ingresses:
+        for output_tokens in (1, 128):
+            e_ttft, e_lat = (statistics.median(v) * 1e3 for v in results[("engine", output_tokens)])
+            s_ttft, s_lat = (statistics.median(v) * 1e3 for v in results[(ingress, output_tokens)])
+            lines.append(
+                f"| {ingress} | {output_tokens} | {e_ttft:.1f} | {s_ttft:.1f} | {s_ttft - e_ttft:+.1f} | {e_lat:.1f} | "
+                f"{s_lat:.1f} | {s_lat - e_lat:+.1f} |"
+            )
     if loads:
         lines += [
             "",
             f"Under load: {args.load_prompts} prompts of {args.load_prompt_tokens} token ids → 128 tokens, "
             f"concurrency {args.load_concurrency}, generated tok/s:",
             "",
-            "| sampling | in process | through Serve | served / in process |",
-            "|---|---|---|---|",
+            "| sampling | in process | " + " | ".join(f"served, {i} ingress" for i in ingresses) + " | "
+            + " | ".join(f"{i} / in process" for i in ingresses) + " |",
+            "|---|---|" + "---|" * (2 * len(ingresses)),
         ]
         for mode in LOAD_MODES:
-            engine_tok_s, served_tok_s = loads["engine"][mode], loads["serve"][mode]
-            lines.append(f"| {mode} | {engine_tok_s:.0f} | {served_tok_s:.0f} | {served_tok_s / engine_tok_s:.2f} |")
+            engine_tok_s = loads["engine"][mode]
+            served = [loads[i][mode] for i in ingresses]
+            lines.append(f"| {mode} | {engine_tok_s:.0f} | " + " | ".join(f"{v:.0f}" for v in served) + " | "
+                         + " | ".join(f"{v / engine_tok_s:.2f}" for v in served) + " |")
     table = "\n".join(lines)
     print(table)
     if args.write_doc:

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from app.config import ServeArgs
+from app.control_plane import apply_control_plane
 from app.proxy_errors import use_openai_errors_in_serve_proxy
 
 
@@ -35,6 +37,7 @@ def local_serve_cluster(num_cpus: int = 4) -> Iterator[ServeCluster]:
     """Start a local Ray (every port on loopback) and Serve; shut both down on leaving."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     use_openai_errors_in_serve_proxy()  # as `shardserve serve` does
+    apply_control_plane(ServeArgs.model_fields["control_plane"].default)  # and with its default periods
     import ray
     from ray import serve
 

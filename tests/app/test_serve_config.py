@@ -197,3 +197,17 @@ def test_health_check_flags_reach_serve_and_the_default_replaces_a_dead_replica_
     assert (options["health_check_period_s"], options["health_check_timeout_s"]) == (0.5, 4.0)
     # Serve takes a replica out after 3 failed checks in a row: at most ~2 s apart, that is within ~6 s
     assert deployment_options(ServeArgs())["health_check_period_s"] <= 2
+
+
+def test_every_rayservice_pod_starts_ray_with_the_quiet_control_plane():
+    """The RayService's pods carry --control-plane quiet's settings (Ray reads them when its processes start)."""
+    from app.control_plane import QUIET_ENV
+
+    assert ServeArgs().control_plane == "quiet"
+    manifest = yaml.safe_load((SERVE_YAML.parent / "rayservice.yaml").read_text())
+    spec = manifest["spec"]["rayClusterConfig"]
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            env = {e["name"]: e["value"] for e in container.get("env", [])}
+            assert {k: env.get(k) for k in QUIET_ENV} == QUIET_ENV, container["name"]
