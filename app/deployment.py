@@ -176,8 +176,10 @@ class LLMServer:
         # open HTTP requests, and graceful shutdown under the CLI (app/drain.py; without its coordinator,
         # `drain` is None)
         self.drain_state = DrainState()
+        # deltas reach the event loop as often as a stream may write (stream batching), not after every step
         self.engine = AsyncLLMEngine(self.args.engine_config(model_dir),
-                                     on_dead=lambda reason: exit_replica_after_dead_engine(self.drain_state, reason))
+                                     on_dead=lambda reason: exit_replica_after_dead_engine(self.drain_state, reason),
+                                     delivery_interval_s=self.args.stream_interval_ms / 1000)
         self.drain = ReplicaDrain.attach(_app_name(), _replica_id(), self.drain_state, self.engine.abort_all)
         # tracing and /metrics: one TracerProvider and one Prometheus registry per replica (app/observability/)
         self.observability = ReplicaObservability(self.engine, served_model_name(self.args), _replica_id(),

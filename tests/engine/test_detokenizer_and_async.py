@@ -212,3 +212,25 @@ def test_a_dropped_async_engine_stops_its_loop_thread(tiny_llama_dir):
     del engine  # no shutdown(): the loop thread refers to its own state only, so the engine is collected
     gc.collect()
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 60.0])
+async def test_a_delivery_interval_holds_the_middle_deltas_but_never_the_first_or_the_last(tiny_llama_dir,
+                                                                                           interval_s):
+    """With an interval longer than the request, its first delta comes at once (the first token: TTFT) and all
+    the others together once it has finished; without one, each step's delta comes while it still runs."""
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"), delivery_interval_s=interval_s)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        tokens, running_at_receipt = [], []
+        async for delta in engine.generate([5, 6, 7, 8], params, f"held-{interval_s}"):
+            tokens += delta.outputs[0].token_ids
+            running_at_receipt.append(engine.stats().num_running)
+        assert len(tokens) == 200 and len(running_at_receipt) == 200
+        if interval_s:
+            assert running_at_receipt[0] == 1  # the first token was not held
+            assert running_at_receipt[1:] == [0] * 199  # the rest came with the last
+        else:
+            assert running_at_receipt[1] == 1 and running_at_receipt.count(1) > 100
+    finally:
+        engine.shutdown()
