@@ -192,11 +192,9 @@ def get_backend(name: str = "auto", device_type: str = "cpu") -> KernelBackend:
     if name == "auto":
         if device_type == "cuda":
             return _triton_backend()
-        return (_native_cpu_backend(cpu_native.isa(), reference_bf16_prefill_is_faster()) or TORCH
-                if device_type == "cpu" else TORCH)
+        return (engine_cpu_backend(cpu_native.isa()) or TORCH) if device_type == "cpu" else TORCH
     if name == "cpu":
-        native = (_native_cpu_backend(cpu_native.isa(), reference_bf16_prefill_is_faster())
-                  if device_type == "cpu" else None)
+        native = engine_cpu_backend(cpu_native.isa()) if device_type == "cpu" else None
         if native is None:
             raise ValueError(
                 f"kernel backend 'cpu' needs a CPU device and the native kernels built (device {device_type!r}; "
@@ -211,6 +209,13 @@ def get_backend(name: str = "auto", device_type: str = "cpu") -> KernelBackend:
             "before starting Python to run the kernels in Triton's interpreter, or use 'torch' or 'auto'"
         )
     raise ValueError(f"unknown kernel backend {name!r}: choose 'auto', 'cpu', 'torch' or 'triton'")
+
+
+def engine_cpu_backend(target: str) -> KernelBackend | None:
+    """The `cpu` backend an engine gets for `target`'s build: native ops, with bfloat16 prefill attention left to
+    the reference where that is faster on this CPU (reference_bf16_prefill_is_faster); None where it can't be
+    built."""
+    return _native_cpu_backend(target, reference_bf16_prefill_is_faster())
 
 
 def native_cpu_backend(target: str) -> KernelBackend:

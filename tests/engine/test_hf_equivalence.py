@@ -9,7 +9,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from kernels import cpu_native
-from kernels.backend import native_cpu_backend
+from kernels.backend import engine_cpu_backend
 
 MAX_NEW = 12
 
@@ -66,7 +66,7 @@ def test_sixteen_prompts_of_lengths_1_to_300_submitted_together(
     llm, got = run_llm(tiny_llama_dir, prompts16, kernel_backend=kernel_backend.split("-")[0])
     backend = llm.engine.executor.runner.backend
     if kernel_backend in NATIVE_BUILDS:
-        assert backend is native_cpu_backend(NATIVE_BUILDS[kernel_backend])
+        assert backend is engine_cpu_backend(NATIVE_BUILDS[kernel_backend])
     else:
         assert backend.name == kernel_backend
     assert got == expected

@@ -59,10 +59,10 @@ def test_each_build_runs_the_vector_code_of_its_target(native_target):
 
 
 def test_shardserve_cpu_isa_picks_the_build_cpu_and_auto_run(monkeypatch, native_target):
-    from kernels.backend import _native_cpu_backend, reference_bf16_prefill_is_faster
+    from kernels.backend import engine_cpu_backend
 
     monkeypatch.setenv("SHARDSERVE_CPU_ISA", native_target)
-    engines = _native_cpu_backend(native_target, reference_bf16_prefill_is_faster())
+    engines = engine_cpu_backend(native_target)
     assert get_backend("cpu", "cpu") is engines and get_backend("auto", "cpu") is engines
 
 
