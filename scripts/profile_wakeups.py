@@ -22,25 +22,14 @@ from pathlib import Path
 
 import httpx
 
+from app.ray_cluster import descendants
 from scripts.bench_serve import ServerProcess
 from scripts.bench_serve_overhead import served_load
 
 
 def process_tree(root: int) -> list[int]:
-    """root and its descendants (by /proc's parent links)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
+    """root and its descendants."""
+    return [root, *descendants(root)]
 
 
 def process_name(pid: int) -> str:
