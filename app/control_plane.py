@@ -5,7 +5,7 @@ Ray threads, and every periodic wake-up of theirs is a context switch there. The
 fleets, where those cores are idle: the raylet reports its resources every 100 ms and checks for garbage every
 100 ms, the memory monitor reads /proc every 250 ms, Serve's controller runs its loop every 100 ms and each replica
 flushes its cached request metrics every 100 ms. `quiet` makes each an order of magnitude slower where what it
-costs is bounded and measured (docs/BENCHMARKS.md "Wake-ups of the control plane"):
+costs is bounded and measured (docs/BENCHMARKS.md "Serving path: direct ingress, quiet control plane, held deltas"):
 - the controller's loop: it notices a dead replica and acts on an autoscaling decision at most 0.5 s later,
   against replacement times of seconds and autoscaling delays of 2-10 s;
 - the raylet's resource report: a new replica's placement group is seen up to 1 s later;

@@ -3,7 +3,7 @@ proxy between the client and it.
 
 Behind Serve's proxy every request is two processes' work: the proxy parses HTTP and hands each request, and
 every streamed message back, across an actor call to the replica. On a CPU node the proxy's wake-ups land on the
-cores the engine computes on (docs/BENCHMARKS.md, "Where the served time goes"). Ray Serve 2.60's direct ingress
+cores the engine computes on (docs/BENCHMARKS.md, "Serving path: where a replica's CPU goes"). Ray Serve 2.60's direct ingress
 (RAY_SERVE_ENABLE_DIRECT_INGRESS) starts an HTTP server inside each ingress replica instead, on a port that the
 controller hands out from a range, with the proxy middlewares (app/proxy_errors.py) around the app as in the
 proxy; the controller still starts one Serve proxy on the head node, for load balancers to fall back on.
