@@ -122,27 +122,34 @@ async def test_what_answers_the_port_and_what_it_keeps(tiny_llama_dir, tmp_path,
             await _engine_idle(http)
             print(f"{mode}: the engine was idle {time.monotonic() - left:.2f} s after the client left")
 
-            # one stream runs, one waits in Serve's queue; the third is Serve's own answer, in OpenAI's shape. The
-            # probes race the holders for the queue's seat (a holder may get the 429 itself), so they hold again
-            async def hold() -> None:
-                while True:
-                    async with http.stream("POST", "/v1/completions", json=long_body) as response:
-                        async for _ in response.aiter_lines():
-                            pass
+            # one stream runs (A), and two more come (B, a long stream, and P, a short request): the queue has
+            # one seat, so whichever of B and P comes second is Serve's own 429, answered at once in OpenAI's
+            # shape, while the other waits behind A
+            async def answer(body: dict, streaming: asyncio.Event | None = None) -> httpx.Response:
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    if response.status_code == 200:
+                        async for line in response.aiter_lines():
+                            if streaming is not None and line.startswith("data: "):
+                                streaming.set()
+                    else:
+                        await response.aread()
+                    return response
 
-            holders = [asyncio.create_task(hold()) for _ in range(2)]
-            deadline = time.monotonic() + 30
-            while True:
-                r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
-                if r.status_code == 429:
-                    break
-                assert r.status_code == 200 and time.monotonic() < deadline, r.text
+            streaming = asyncio.Event()
+            running = asyncio.create_task(answer(long_body, streaming))
+            await asyncio.wait_for(streaming.wait(), 60)  # A holds the engine's one seat
+            waiting = [asyncio.create_task(answer(body)) for body in
+                       (long_body, {"model": "tiny", "prompt": "Hi", "max_tokens": 2})]
+            done, _ = await asyncio.wait(waiting, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            assert done and not running.done(), "neither B nor P was answered while A ran"
+            r = done.pop().result()
+            assert r.status_code == 429, r.text
             assert r.headers["retry-after"] == "1" and r.headers["content-type"] == "application/json"
             error = r.json()["error"]
             assert error["type"] == "rate_limit_error" and "backpressure" in error["message"], error  # Serve's
-            for task in holders:
+            for task in (running, *waiting):
                 task.cancel()
-            await asyncio.gather(*holders, return_exceptions=True)
+            await asyncio.gather(running, *waiting, return_exceptions=True)
             await _engine_idle(http)
     finally:
         stop(server)
