@@ -20,7 +20,7 @@ from typing import Any
 
 from app.config import ServeArgs
 from app.control_plane import apply_control_plane
-from app.direct_ingress import direct_ingress_env, free_port, resolve_http_ingress
+from app.direct_ingress import direct_ingress_env, resolve_http_ingress
 from app.ray_cluster import (
     adopt_orphaned_descendants,
     end_leftover_processes,
@@ -135,7 +135,7 @@ def serve(args: ServeArgs, ray_address: str | None = None) -> None:
         apply_control_plane(args.control_plane)
     if ingress == "direct":  # set before Ray starts, as the proxy's middleware is: Serve reads them at import
         os.environ.update(direct_ingress_env(args.port))
-        proxy_port = free_port(args.host)  # the head's fallback proxy, off the replica's port
+        proxy_port = 0  # the head's fallback proxy, off the replica's port: on one the system picks as it binds
     from ray import serve as ray_serve
 
     from app.deployment import build_app, served_model_name

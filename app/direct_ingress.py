@@ -10,7 +10,7 @@ proxy; the controller still starts one Serve proxy on the head node, for load ba
 
 For `shardserve serve` that range is --port alone, so the one ingress replica (LLMServer where it is the only
 replica, else OpenAIIngress) listens where clients connect, and the head's proxy is moved to a free port on the
-same host. Serve reads these settings once per process, at import, so they must be in the environment of every
+same host (a port the system picks as it binds). Serve reads these settings once per process, at import, so they must be in the environment of every
 Ray process: the CLI sets them before it starts its own local Ray, and a cluster started with `ray start` needs
 them exported first (docs/OPERATIONS.md, "HTTP ingress").
 
@@ -71,13 +71,6 @@ def resolve_http_ingress(args: ServeArgs, own_cluster: bool) -> HttpIngress:
             raise ValueError(f"--http-ingress direct needs exactly one ingress replica: {reason}")
         return "direct"
     return "direct" if own_cluster and reason is None else "proxy"
-
-
-def free_port(host: str) -> int:
-    """A TCP port nothing listens on now, on `host` (for the head's fallback proxy)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def direct_ingress_env(port: int) -> dict[str, str]:
