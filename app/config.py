@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from app.control_plane import ControlPlane
 from app.model_defaults import GENERATION_CONFIG_FILE, load_chat_template
 from app.routing.config import RoutingConfig, RoutingMode
 from app.tool_calls.parsers import ToolCallParserName
@@ -111,7 +112,7 @@ class ServeArgs(BaseModel):
         "what answers HTTP on --port: direct (the app's one ingress replica itself, Serve's direct ingress: no "
         "proxy hop), proxy (Serve's HTTP proxy); auto: direct on shardserve's own local Ray where the app has "
         "exactly one ingress replica, else proxy"))
-    control_plane: Literal["default", "quiet"] = Field("quiet", description=(
+    control_plane: ControlPlane = Field("quiet", description=(
         "how often Ray's and Serve's own processes wake up on the cores the engine uses: quiet (the "
         "controller's loop, the raylet's reports and Serve's metrics flush 5-10x slower, app/control_plane.py), "
         "default (Ray's own periods); set on shardserve's own local Ray, a joined cluster keeps its environment's"))

@@ -3,16 +3,16 @@ proxy between the client and it.
 
 Behind Serve's proxy every request is two processes' work: the proxy parses HTTP and hands each request, and
 every streamed message back, across an actor call to the replica. On a CPU node the proxy's wake-ups land on the
-cores the engine computes on (docs/BENCHMARKS.md, "Serving path: where a replica's CPU goes"). Ray Serve 2.60's direct ingress
-(RAY_SERVE_ENABLE_DIRECT_INGRESS) starts an HTTP server inside each ingress replica instead, on a port that the
+cores the engine computes on (docs/BENCHMARKS.md, "Serving path: where a replica's CPU goes"). Ray Serve 2.60's
+direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS) starts an HTTP server inside each ingress replica instead, on a port that the
 controller hands out from a range, with the proxy middlewares (app/proxy_errors.py) around the app as in the
 proxy; the controller still starts one Serve proxy on the head node, for load balancers to fall back on.
 
 For `shardserve serve` that range is --port alone, so the one ingress replica (LLMServer where it is the only
-replica, else OpenAIIngress) listens where clients connect, and the head's proxy is moved to a free port on the
-same host (a port the system picks as it binds). Serve reads these settings once per process, at import, so they must be in the environment of every
-Ray process: the CLI sets them before it starts its own local Ray, and a cluster started with `ray start` needs
-them exported first (docs/OPERATIONS.md, "HTTP ingress").
+replica, else OpenAIIngress) listens where clients connect, and the head's proxy is moved off it, to a port the
+system picks as it binds. Serve reads these settings once per process, at import, so they must be in the
+environment of every Ray process: the CLI sets them before it starts its own local Ray, and a cluster started
+with `ray start` needs them exported first (docs/OPERATIONS.md, "HTTP ingress").
 
 It holds only where there is exactly one ingress replica for the whole time: several on one node cannot share
 the port, and with none (scaled to zero) nothing listens on it. Where that is not so, `auto` keeps the proxy and

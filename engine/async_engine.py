@@ -217,6 +217,8 @@ class _EngineLoop:
 
     def _hand_over(self) -> None:
         """Hand every held delta to its event loop."""
+        if not self.held:
+            return
         held, self.held = self.held, []
         self.last_delivery = time.monotonic()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

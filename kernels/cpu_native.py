@@ -57,16 +57,17 @@ def extension_name(target: str) -> str:
     return EXTENSION_NAME if target == "native" else f"{EXTENSION_NAME}_{target}"
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (/proc/cpuinfo's first "flags" line; empty where there is none)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo's first "flags" line, read once; empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def runnable_isas() -> list[str]:
