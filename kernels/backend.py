@@ -109,18 +109,40 @@ def _native_cpu_backend(target: str, reference_bf16_prefill: bool) -> KernelBack
     def paged_prefill_attention(
         query, kv_cache, block_tables, query_start_loc, context_lens, scale, *, max_query_len=None
     ):
-        if (
+        if not (
             query.dtype in NATIVE_DTYPES
-            and not (reference_bf16_prefill and query.dtype == torch.bfloat16)
             and native.prefill_supported(query.shape[-1], kv_cache.shape[3])
             and block_tables.dtype == query_start_loc.dtype == context_lens.dtype == torch.int32
         ):
-            return native.paged_prefill_attention(
-                query, kv_cache, block_tables, query_start_loc, context_lens, float(scale)
+            return paged_prefill_attention_torch(
+                query, kv_cache, block_tables, query_start_loc, context_lens, scale, max_query_len=max_query_len
             )
-        return paged_prefill_attention_torch(
-            query, kv_cache, block_tables, query_start_loc, context_lens, scale, max_query_len=max_query_len
-        )
+        args = (query, kv_cache, block_tables, query_start_loc, context_lens, float(scale))
+        if not (reference_bf16_prefill and query.dtype == torch.bfloat16) or (
+            max_query_len is not None and max_query_len <= NATIVE_BF16_PREFILL_MAX_QUERY_ON_AMX
+        ):
+            return native.paged_prefill_attention(*args)
+        # long chunks to the reference; short ones (verifications beside a prompt's chunk) stay native, since
+        # the reference would pad each of them to the longest chunk
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        short = query_lens <= NATIVE_BF16_PREFILL_MAX_QUERY_ON_AMX
+        if not bool(short.any()):
+            return paged_prefill_attention_torch(*args[:5], scale, max_query_len=max_query_len)
+        out = torch.empty_like(query)
+        for part, attention in ((short, native.paged_prefill_attention), (~short, paged_prefill_attention_torch)):
+            seqs = part.nonzero().flatten()
+            if len(seqs) == 0:
+                continue
+            lens = query_lens[seqs]
+            starts = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+            torch.cumsum(lens, 0, out=starts[1:])
+            # each chunk's rows of `query`: its start there, plus 0 .. its length - 1
+            rows = torch.repeat_interleave(query_start_loc[:-1][seqs] - starts[:-1], lens) + torch.arange(
+                int(starts[-1])
+            )
+            out.index_copy_(0, rows, attention(query.index_select(0, rows), kv_cache, block_tables.index_select(0, seqs),
+                                               starts, context_lens.index_select(0, seqs), float(scale)))
+        return out
 
     def rms_norm(x, weight, eps, residual=None):
         if x.dtype in NATIVE_DTYPES and x.dim() == 2 and weight.dtype == x.dtype:
@@ -162,6 +184,13 @@ def _native_cpu_backend(target: str, reference_bf16_prefill: bool) -> KernelBack
         silu_and_mul=silu_and_mul,
         rotary_embedding=rotary_embedding,
     )
+
+
+# Chunks of at most this many queries (speculative verifications, short prompt tails) keep the native kernel even
+# where reference_bf16_prefill_is_faster: its dense row packing makes a 5-query chunk ~3x faster than the
+# reference, which pads and gathers; the two cross between 16 and 32 queries (docs/BENCHMARKS.md, "Kernels",
+# Intel Xeon with AMX, 2026-12-03).
+NATIVE_BF16_PREFILL_MAX_QUERY_ON_AMX = 16
 
 
 @functools.cache

@@ -7,7 +7,9 @@
 2. An input-grounded load: the model (default: the demo model, SmolLM2-135M-Instruct) is asked, through its
    chat template, to repeat or lightly edit a passage of Python source of about --prompt-tokens tokens (the
    prompts of `shardserve bench --dataset-name grounded`, bench/grounded.py); greedy, --output-tokens each.
-   For each concurrency (that many requests in one offline batch) speculation off, then n-gram, then
+   For each concurrency (--num-prompts requests, default 3 per unit of concurrency, with at most that many in
+   flight at once: each finished one is replaced at once, as `vllm bench serve --max-concurrency` does)
+   speculation off, then n-gram, then
    (with --draft-model) a draft model: TPOT (decode time per token after the first, the mean over requests),
    throughput and the acceptance seen.
 """
@@ -48,21 +50,39 @@ def grounded_prompts(tokenizer, num: int, prompt_tokens: int, seed: int = 0) -> 
     return [builder.token_ids(message) for message in builder.build(num)]
 
 
-def run_load(model: str, prompts, output_tokens: int, speculative: dict | None) -> dict:
+def run_load(model: str, prompts, concurrency: int, output_tokens: int, speculative: dict | None) -> dict:
+    """All `prompts` through one engine with at most `concurrency` in flight: a new one is added as soon as one
+    finishes, as a load-test client at that concurrency does (a closed batch would end with the slowest
+    request alone, which measures that request, not the concurrency)."""
     from engine import LLM, SamplingParams
+    from engine.outputs import RequestOutput
 
     llm = LLM(model=model, speculative_config=speculative, enable_prefix_caching=False)
+    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    results: dict[str, RequestOutput] = {}
+    pending = list(enumerate(prompts))
+    in_flight = 0
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    while pending or engine.has_unfinished_requests():
+        while pending and in_flight < concurrency:
+            index, prompt = pending.pop(0)
+            request = engine.add_request(str(index), prompt, params)
+            results[str(index)] = RequestOutput(str(index), None, request.prompt_token_ids, [], finished=False)
+            in_flight += 1
+        for delta in engine.step():
+            results[delta.request_id].merge(delta)
+            if delta.finished:
+                in_flight -= 1
     elapsed = time.perf_counter() - start
+    outputs = [results[str(i)] for i in range(len(prompts))]
     tpots = []
     for out in outputs:
         m, n = out.metrics, len(out.outputs[0].token_ids)
         if n > 1:
             tpots.append((m.finished_time - m.first_token_time) / (n - 1))
-    spec = llm.engine.stats().speculation
+    spec = engine.stats().speculation
     llm.shutdown()
     return dict(tpot_ms=1e3 * statistics.mean(tpots), tokens_per_s=sum(len(o.outputs[0].token_ids) for o in outputs)
                 / elapsed, acceptance=spec.acceptance_rate if spec else None,
@@ -76,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=None, help="requests per concurrency (default 3x it)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=3)
     parser.add_argument("--draft-model", default=None, help="also measure method draft_model with this model")
@@ -101,11 +122,11 @@ def main(argv: list[str] | None = None) -> None:
                             "num_speculative_tokens": args.num_speculative_tokens}
     print("\n| concurrency | speculation | TPOT (ms) | tokens/s | acceptance | accepted per step |\n|---|---|---|---|---|---|")
     for concurrency in args.concurrency:
-        prompts = grounded_prompts(tokenizer, concurrency, args.prompt_tokens)
-        off = run_load(model, prompts, args.output_tokens, None)
+        prompts = grounded_prompts(tokenizer, args.num_prompts or 3 * concurrency, args.prompt_tokens)
+        off = run_load(model, prompts, concurrency, args.output_tokens, None)
         print(f"| {concurrency} | off | {off['tpot_ms']:.1f} | {off['tokens_per_s']:.1f} | | |")
         for name, speculative in methods.items():
-            on = run_load(model, prompts, args.output_tokens, speculative)
+            on = run_load(model, prompts, concurrency, args.output_tokens, speculative)
             same = "" if on["tokens"] == off["tokens"] else " (outputs differ: near-ties?)"
             print(f"| {concurrency} | {name} k={args.num_speculative_tokens} | {on['tpot_ms']:.1f} | "
                   f"{on['tokens_per_s']:.1f} | {on['acceptance']:.2f} | {on['mean_accepted']:.2f}{same} |")

@@ -214,8 +214,9 @@ void decode_attention(
 // Prefill attention: each sequence's chunk of queries against its cached context (which ends with
 // the chunk's own K/V), causally: query i of a chunk of q_len sits at position context - q_len + i
 // and sees keys 0 .. that position. Flash-attention style, float32 throughout, vectorised over
-// query rows: a task is (sequence, KV head, tile of kQueryTile chunk positions) for every query
-// head of the group, R = group * kQueryTile rows kept transposed ([dim][R]), so for each key
+// query rows: a task is (sequence, KV head, tile of up to kQueryTile chunk positions) for every query
+// head of the group, R = group * tile rows packed densely and kept transposed ([dim][R]; a short chunk,
+// such as a speculative verification of 5 positions, fills one or two row vectors, not one per head), so for each key
 // block (16 keys) and a vector of rows (16 with AVX-512, 8 with AVX2) the scores are FMA chains over
 // dim, the online softmax is plain vector arithmetic (one lane per row), and the output accumulates
 // with the block's values broadcast from a float copy. head_dim: any multiple of 16 up to kMaxDim;
@@ -374,23 +375,25 @@ void prefill_attention(
         const T* key_head = key_cache + task.kv_head * head_stride;
         const T* value_head = value_cache + task.kv_head * head_stride;
 
-        // Row r = g * kQueryTile + i: query head kv_head * group + g at chunk position first + i.
+        // Row r = g * tile + i: query head kv_head * group + g at chunk position first + i; the rows past
+        // group * tile, up to a whole vector, are padding (they see no key). `rows` stays the buffers' stride.
+        const int64_t live_rows = group * tile;
+        const int64_t used_rows = (live_rows + kRowLanes - 1) / kRowLanes * kRowLanes;
         for (int64_t g = 0; g < group; ++g) {
-          for (int64_t i = 0; i < kQueryTile; ++i) {
-            const int64_t r = g * kQueryTile + i;
-            if (i < tile) {
-              const T* src = query + ((q_start + task.first + i) * num_heads + task.kv_head * group + g) * dim;
-              for (int64_t d = 0; d < dim; ++d) q_t[d * rows + r] = load(src[d]) * scale;
-              row_pos[r] = static_cast<int32_t>(context - q_len + task.first + i);
-            } else {
-              for (int64_t d = 0; d < dim; ++d) q_t[d * rows + r] = 0.f;
-              row_pos[r] = -1;  // padding: sees no key
-            }
+          for (int64_t i = 0; i < tile; ++i) {
+            const int64_t r = g * tile + i;
+            const T* src = query + ((q_start + task.first + i) * num_heads + task.kv_head * group + g) * dim;
+            for (int64_t d = 0; d < dim; ++d) q_t[d * rows + r] = load(src[d]) * scale;
+            row_pos[r] = static_cast<int32_t>(context - q_len + task.first + i);
           }
         }
-        std::fill(out_t.begin(), out_t.end(), 0.f);
-        std::fill(row_max.begin(), row_max.end(), -INFINITY);
-        std::fill(row_sum.begin(), row_sum.end(), 0.f);
+        for (int64_t r = live_rows; r < used_rows; ++r) {
+          for (int64_t d = 0; d < dim; ++d) q_t[d * rows + r] = 0.f;
+          row_pos[r] = -1;
+        }
+        for (int64_t d = 0; d < dim; ++d) std::fill_n(out_t.begin() + d * rows, used_rows, 0.f);
+        std::fill_n(row_max.begin(), used_rows, -INFINITY);
+        std::fill_n(row_sum.begin(), used_rows, 0.f);
         const int64_t last_pos = context - q_len + task.first + tile - 1;
 
         for (int64_t start = 0; start <= last_pos; start += kKeys) {
@@ -398,13 +401,13 @@ void prefill_attention(
           const int64_t block = table[start / kKeys];
           widen_block(key_head + block * kKeys * dim, value_head + block * kKeys * dim, count, dim, keys.data(),
                       values.data());
-          for (int64_t r0 = 0; r0 < rows; r0 += kRowLanes)
+          for (int64_t r0 = 0; r0 < used_rows; r0 += kRowLanes)
             attend_block(q_t.data(), keys.data(), values.data(), start, count, row_pos.data(), row_max.data(),
                          row_sum.data(), out_t.data(), rows, dim, r0);
         }
         for (int64_t g = 0; g < group; ++g) {
           for (int64_t i = 0; i < tile; ++i) {
-            const int64_t r = g * kQueryTile + i;
+            const int64_t r = g * tile + i;
             const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
             T* dst = out + ((q_start + task.first + i) * num_heads + task.kv_head * group + g) * dim;
             for (int64_t d = 0; d < dim; ++d) store(out_t[d * rows + r] * inv, dst + d);

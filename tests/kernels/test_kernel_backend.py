@@ -165,3 +165,28 @@ def test_the_engines_backend_leaves_bfloat16_prefill_to_the_reference_exactly_wh
         expected = by_torch if dtype == torch.bfloat16 and "amx_bf16" in cpu_native.cpu_flags() else by_native
         assert torch.equal(out, expected), dtype
     assert reference_bf16_prefill_is_faster() == ("amx_bf16" in cpu_native.cpu_flags())
+
+
+def test_short_bfloat16_chunks_stay_native_even_where_long_ones_go_to_the_reference():
+    """A chunk of at most NATIVE_BF16_PREFILL_MAX_QUERY_ON_AMX queries (a speculative verification) runs the
+    native kernel on every CPU, also in a step whose other chunks are long; a longer chunk goes where the long
+    prefills go (the reference on AMX). Each chunk's rows equal what its kernel gives for it."""
+    from kernels.backend import NATIVE_BF16_PREFILL_MAX_QUERY_ON_AMX as short
+
+    generator = torch.Generator().manual_seed(5)
+    amx = "amx_bf16" in cpu_native.cpu_flags()
+    engines, native = get_backend("cpu", "cpu"), native_cpu_backend(cpu_native.isa())
+    kv_cache = torch.randn(2, 2, 12, 16, 64, generator=generator).to(torch.bfloat16)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]], dtype=torch.int32)
+    for chunk_lens in ([5, 3], [short, 2], [3, short + 1, 5, 40], [short + 1, 20]):
+        starts = torch.tensor([0, *torch.tensor(chunk_lens).cumsum(0).tolist()], dtype=torch.int32)
+        lens = torch.tensor([40, 23, 30, 44][: len(chunk_lens)], dtype=torch.int32)
+        query = torch.randn(sum(chunk_lens), 4, 64, generator=generator).to(torch.bfloat16)
+        args = (query, kv_cache, tables[: len(chunk_lens)], starts, lens, 0.125)
+        by_torch, by_native = TORCH.paged_prefill_attention(*args), native.paged_prefill_attention(*args)
+        assert not torch.equal(by_torch, by_native)
+        out = engines.paged_prefill_attention(*args, max_query_len=max(chunk_lens))
+        for chunk, n in enumerate(chunk_lens):
+            rows = slice(int(starts[chunk]), int(starts[chunk + 1]))
+            expected = by_torch if amx and n > short else by_native
+            assert torch.equal(out[rows], expected[rows]), (chunk_lens, chunk)

@@ -69,19 +69,20 @@ def test_prefill_of_a_one_token_chunk_equals_decode(backend):
     "head_dim, group, dtype", [(96, 3, torch.float32), (64, 7, torch.bfloat16), (256, 1, torch.float32)]
 )
 def test_native_cpu_prefill_over_many_query_tiles_and_blocks(native_target, native, head_dim, group, dtype):
-    """The C++ kernel tiles 64 chunk positions at a time: chunks longer than a tile, starting
-    mid-block after a cached prefix, one-token chunks, odd group sizes, head_dim up to 256."""
+    """The C++ kernel tiles 64 chunk positions at a time and packs a tile's (head, position) rows densely:
+    chunks longer than a tile, starting mid-block after a cached prefix, one-token chunks, speculative
+    verifications (a few positions at the end of a long context), odd group sizes, head_dim up to 256."""
     from kernels import cpu_native
 
     # the native kernel, not the reference, runs wherever it was built with vector code (AVX-512 or AVX2)
     has_vector_code = cpu_native.load(native_target).vector_isa() != "scalar"
     assert cpu_native.prefill_supported(head_dim, 16, native_target) == has_vector_code
     generator = torch.Generator().manual_seed(head_dim + group)
-    chunks = [(0, 200), (130, 75), (64, 64), (3, 1), (0, 65)]
+    chunks = [(0, 200), (130, 75), (64, 64), (3, 1), (0, 65), (300, 5), (41, 3), (16, 2)]
     context_lens = [cached + new for cached, new in chunks]
     query_lens = [new for _, new in chunks]
-    kv_cache = random_kv_cache(NUM_KV_HEADS, 48, 16, head_dim, dtype, generator)
-    block_tables = scattered_block_tables(context_lens, 16, 48, generator)
+    kv_cache = random_kv_cache(NUM_KV_HEADS, 80, 16, head_dim, dtype, generator)
+    block_tables = scattered_block_tables(context_lens, 16, 80, generator)
     query = torch.randn(sum(query_lens), NUM_KV_HEADS * group, head_dim, generator=generator).to(dtype)
     query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(context_lens, dtype=torch.int32)
