@@ -75,7 +75,8 @@ class ServeArgs(BaseModel):
         "accepted as vLLM's --seed; sampling draws per request (a request's own `seed` makes it reproducible)"))
     speculative_config: dict[str, Any] | None = Field(None, description=(
         "speculative decoding as JSON with vLLM's keys, e.g. '{\"method\": \"ngram\", "
-        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}' (also prompt_lookup_min, "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}' (also prompt_lookup_min; as in vLLM, one "
+        "bound given sets the other to it, neither gives 5 and 5; "
         "disable_by_batch_size; or method draft_model with model, a smaller model of the same tokenizer; "
         "default: off)"))
     # what requests that leave things out get (app/model_defaults.py)

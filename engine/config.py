@@ -53,12 +53,24 @@ class SpeculativeConfig(BaseModel):
 
     method: Literal["ngram", "draft_model"] = "ngram"
     num_speculative_tokens: int = Field(ge=1, le=16)
-    # n-gram prompt lookup: the longest suffix of n tokens (min <= n <= max) found earlier in the sequence
-    prompt_lookup_min: int = Field(1, ge=1, le=16)
-    prompt_lookup_max: int = Field(3, ge=1, le=16)
+    # n-gram prompt lookup: the longest suffix of n tokens (min <= n <= max) found earlier in the sequence.
+    # vLLM's defaults: one bound given sets the other to it, neither gives 5 and 5 (_lookup_bounds)
+    prompt_lookup_min: int = Field(5, ge=1, le=16)
+    prompt_lookup_max: int = Field(5, ge=1, le=16)
     model: str | None = None  # the draft model's directory (method draft_model; same tokenizer as the target)
     # no speculation in a step with more running sequences than this (the batch is compute-bound there)
     disable_by_batch_size: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lookup_bounds(cls, data):
+        """As vLLM resolves them: only prompt_lookup_max (or only min) given, the other bound equals it."""
+        if isinstance(data, dict):
+            low, high = data.get("prompt_lookup_min"), data.get("prompt_lookup_max")
+            if (low is None) != (high is None):
+                data = {**data, "prompt_lookup_min": high if low is None else low,
+                        "prompt_lookup_max": low if high is None else high}
+        return data
 
     @model_validator(mode="after")
     def _check_method(self) -> SpeculativeConfig:

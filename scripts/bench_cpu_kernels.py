@@ -64,6 +64,19 @@ def cases(generator: torch.Generator):
             lambda q=q, kv=kv, t=tables, s=starts, n=lens: TORCH.paged_prefill_attention(q, kv, t, s, n, 0.125),
             lambda q=q, kv=kv, t=tables, s=starts, n=lens: native.paged_prefill_attention(q, kv, t, s, n, 0.125),
         )
+    # speculative verification: 10 sequences, each its last token and 4 proposals on 571 cached (as the model
+    # calls it, with the longest chunk known: the engine's backend keeps such short chunks native on AMX too)
+    batch, new, cached = 10, 5, 571
+    kv, tables = paged_scene(batch, cached + new, generator)
+    q = torch.randn(batch * new, HEADS, HEAD_DIM, generator=generator).to(DTYPE)
+    starts = torch.arange(batch + 1, dtype=torch.int32) * new
+    lens = torch.full((batch,), cached + new, dtype=torch.int32)
+    yield (
+        f"prefill attention, {batch} verifications of {new} tokens on {cached} cached",
+        lambda q=q, kv=kv, t=tables, s=starts, n=lens: TORCH.paged_prefill_attention(q, kv, t, s, n, 0.125),
+        lambda q=q, kv=kv, t=tables, s=starts, n=lens: native.paged_prefill_attention(
+            q, kv, t, s, n, 0.125, max_query_len=new),
+    )
     cos_sin = rope_cos_sin_cache(HEAD_DIM, 4096, 10000.0)
     for tokens in (10, 512):
         x = torch.randn(tokens, HIDDEN, generator=generator).to(DTYPE)

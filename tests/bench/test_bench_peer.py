@@ -30,6 +30,20 @@ def test_the_table_gives_shardserve_over_vllm_ratios_at_equal_load():
     assert "| temperature 1.0 | 380 | 418 | 1.10× |" in text
 
 
+def test_speculation_off_as_the_baseline_sets_shardserve_beside_itself():
+    rows = [
+        Row("vllm bench serve", "sampled", 10, "off", 200.0, 900.0, 40.0),
+        Row("vllm bench serve", "sampled", 10, "shardserve", 250.0, 900.0, 30.0),
+        Row("vllm bench serve", "sampled", 10, "vllm", 1.0, 1.0, 1.0),  # not the baseline asked for
+    ]
+    text = table(rows, {}, baseline="off")
+    assert "| off tok/s | on tok/s |" in text
+    assert "| vllm bench serve | sampled | 10 | 200 | 250 | 1.25× | 900 / 900 | 1.00× | 40.0 / 30.0 | 0.75× |" in text
+    assert text.count("| vllm bench serve |") == 1
+    with pytest.raises(SystemExit):  # nothing to compare without a --speculative-config
+        main(["--vllm-python", "unused", "--baseline", "speculation-off"])
+
+
 def _peer_args(dataset_name: str, extra_body: dict | None = None) -> argparse.Namespace:
     return argparse.Namespace(prompt_tokens=96, output_tokens=8, dataset_name=dataset_name, extra_body=extra_body)
 

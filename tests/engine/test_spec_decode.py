@@ -23,7 +23,7 @@ from engine.spec_decode.verify import SpeculativeRow, num_accepted, sampling_row
 from engine.stopping import StopChecker
 from kernels.backend import get_backend
 
-SPECULATIVE = {"num_speculative_tokens": 4, "prompt_lookup_max": 3}
+SPECULATIVE = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def arrays(*sequences):
@@ -460,12 +460,27 @@ def test_speculative_config_rules_and_the_serve_flag():
         ServeArgs(speculative_config="{num_speculative_tokens: 2")
 
 
+def test_prompt_lookup_bounds_resolve_as_vllms_do():
+    """vLLM's rule: one bound given, the other equals it; neither, both 5 (the same --speculative-config on
+    both servers proposes from the same n-grams)."""
+    def bounds(**given):
+        config = SpeculativeConfig(num_speculative_tokens=2, **given)
+        return config.prompt_lookup_min, config.prompt_lookup_max
+
+    assert bounds() == (5, 5)
+    assert bounds(prompt_lookup_max=3) == (3, 3)
+    assert bounds(prompt_lookup_min=2) == (2, 2)
+    assert bounds(prompt_lookup_min=1, prompt_lookup_max=4) == (1, 4)
+    assert SpeculativeConfig.model_validate({"num_speculative_tokens": 2, "prompt_lookup_max": 3}).prompt_lookup_min == 3
+
+
 def test_the_serve_flag_takes_vllm_json():
     from app.cli import build_parser, serve_args_from
 
     flags = ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}']
     config = serve_args_from(build_parser().parse_args(flags)).engine_config("/model").speculative_config
     assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == ("ngram", 3, 2)
+    assert config.prompt_lookup_min == 2
 
 
 def test_metrics_report_proposed_accepted_and_emitted_tokens(tiny_llama_looping_dir, repeating_prompts):
