@@ -198,7 +198,7 @@ def reference_bf16_prefill_is_faster() -> bool:
     """On an AMX CPU, torch's own attention (oneDNN's AMX tiles) runs bfloat16 prefill faster than the native
     flash loop, which multiplies with AVX-512 FMAs: the reference took 0.6-0.7x the native kernel's time on
     the bench model's shapes (docs/BENCHMARKS.md, the 2026-12-03 headline, Intel Xeon with AMX). Without AMX
-    the native kernel is the faster one (2.5x on the AMD EPYC with avx512_bf16, "Kernels")."""
+    the native kernel is the faster one (2.5x on the AMD EPYC with avx512_bf16, 2026-11-29, quoted under "Kernels")."""
     return "amx_bf16" in cpu_native.cpu_flags()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -24,6 +23,7 @@ import httpx
 from bench.report import append_csv, format_ratios, format_table, plot, read_csvs
 from bench.run import BenchArgs, run_bench
 from kernels.backend import cpu_supports_bf16
+from scripts.doc_blocks import cpu_description
 
 REPO = Path(__file__).resolve().parent.parent
 DOC_BEGIN = "<!-- serving-bench:begin (written by scripts/bench_serve.py) -->"
@@ -205,18 +205,6 @@ def bench_model_dir() -> Path:
             check=True,
         )
     return path
-
-
-def cpu_description() -> str:
-    model = platform.processor() or "CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores, {model}"
 
 
 def rewrite_doc_section(doc: Path, body: str) -> None:

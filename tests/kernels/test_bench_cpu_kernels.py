@@ -7,9 +7,10 @@ def test_every_op_is_timed_against_its_reference(capsys):
     main(["--repeats", "1", "--calls", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     labels = [row.split(" | ")[0] for row in rows]
-    assert len(rows) == 13
+    assert len(rows) == 14
     assert any("decode attention" in label for label in labels)
     assert any("prefill attention" in label for label in labels)
+    assert any("verifications" in label for label in labels)
     assert any("linears" in label for label in labels)
     for row in rows:
         ref, native = (float(cell) for cell in row.strip("| ").split(" | ")[1:3])
