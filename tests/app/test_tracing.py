@@ -163,7 +163,8 @@ async def test_with_speculative_decoding_the_decode_span_carries_the_acceptance(
     rng = random.Random(59)  # a prompt whose continuation on the looping model falls into a loop
     prompt = [rng.randrange(3, 512) for _ in range(10)]
     async with observed_replica(tiny_llama_looping_dir, span_exporter=exporter,
-                                speculative_config={"num_speculative_tokens": 4}) as (client, obs, _, _):
+                                speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                                    "prompt_lookup_max": 3}) as (client, obs, _, _):
         body = await complete(client, prompt, max_tokens=40)
         spans = finished_spans(obs, exporter)
     decode = trees(spans)[body["id"]]["decode"]

@@ -90,7 +90,8 @@ def test_the_proposer_follows_growing_sequences():
 def spec_scheduler(num_blocks=16, prefix_caching=False, **spec):
     config = EngineConfig(model="unused", block_size=4, max_num_batched_tokens=64, watermark=0.0,
                           enable_prefix_caching=prefix_caching,
-                          speculative_config={"num_speculative_tokens": 3, **spec})
+                          speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                              "prompt_lookup_max": 3, **spec})
     return scheduler_with_fixed_tokens(config, num_blocks)
 
 
@@ -152,7 +153,8 @@ class AlwaysProposes:
 
 def test_a_sequence_whose_proposals_keep_missing_pauses_them_and_one_hit_resumes():
     config = EngineConfig(model="unused", block_size=4, max_num_batched_tokens=64, watermark=0.0,
-                          enable_prefix_caching=False, speculative_config={"num_speculative_tokens": 3})
+                          enable_prefix_caching=False,
+                          speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     scheduler = Scheduler(config, 64, 0, StopChecker((), 1 << 20, None), proposer=AlwaysProposes())
     seq = prefilled(scheduler, [5, 6, 7], 5, max_tokens=200)
 
@@ -218,7 +220,8 @@ def test_speculation_is_off_above_disable_by_batch_size_and_cut_to_what_a_gramma
 
 def test_proposals_are_cut_to_the_token_budget():
     config = EngineConfig(model="unused", block_size=4, max_num_batched_tokens=3, watermark=0.0,
-                          enable_prefix_caching=False, speculative_config={"num_speculative_tokens": 3})
+                          enable_prefix_caching=False,
+                          speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     scheduler = scheduler_with_fixed_tokens(config, 16)
     add(scheduler, [5, 6, 7, 5, 6, 7, 5])
     for _ in range(2):  # the prompt in chunks of 3, 3 and 1

@@ -160,6 +160,8 @@ def test_speculative_greedy_at_tp2_equals_transformers(tiny_llama_looping_dir, h
     speculative = {"method": method, "num_speculative_tokens": 4}
     if method == "draft_model":
         speculative["model"] = str(tiny_llama_looping_dir)
+    else:
+        speculative.update(prompt_lookup_min=1, prompt_lookup_max=3)
     llm = LLM(str(tiny_llama_looping_dir), tensor_parallel_size=2, dtype="float32",
               speculative_config=speculative, **CHUNKED_AND_PREEMPTING)
     try:
