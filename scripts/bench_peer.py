@@ -42,12 +42,11 @@ from scripts.bench_serve import (
     VLLM_VERSION_SHIM,
     ServerProcess,
     bench_model_dir,
-    cpu_description,
     git_commit,
     vllm_cpu_env,
     vllm_version,
 )
-from scripts.doc_blocks import rewrite_block
+from scripts.doc_blocks import cpu_description, rewrite_block
 
 BEGIN, END = "<!-- peer-bench:begin -->", "<!-- peer-bench:end -->"
 REAL_BEGIN, REAL_END = "<!-- peer-bench-real:begin -->", "<!-- peer-bench-real:end -->"
