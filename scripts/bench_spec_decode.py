@@ -128,6 +128,8 @@ def truncated_draft(model: str, num_layers: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: the demo model)")
+    parser.add_argument("--bench-model", action="store_true",
+                        help="the random-weight bench model (made once in the cache folder) instead of --model")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=128)
@@ -152,7 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     from engine.checkpoint.demo import ensure_demo_model
     from engine.checkpoint.loader import load_tokenizer
 
-    model = args.model or str(ensure_demo_model())
+    if args.bench_model:
+        from engine.checkpoint.random_model import ensure_bench_model
+
+        model = str(ensure_bench_model())
+    else:
+        model = args.model or str(ensure_demo_model())
     tokenizer = load_tokenizer(model)
     methods = {"ngram": {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                          "prompt_lookup_max": args.prompt_lookup_max,
