@@ -44,6 +44,14 @@ class ModelConfig(BaseModel):
     torch_dtype: str | None = None
     checkpoint_format: Literal["safetensors", "gguf"] = "safetensors"
 
+    @property
+    def num_parameters(self) -> int:
+        """Weights of the matrices (embedding, attention, MLP, LM head); norms and biases are too few to count."""
+        h, heads, kv, d = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        per_layer = h * heads * d * 2 + h * kv * d * 2 + 3 * h * self.intermediate_size
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + head + self.num_hidden_layers * per_layer
+
 
 class SpeculativeConfig(BaseModel):
     """Speculative decoding (vLLM's `--speculative-config` keys): a proposer guesses the next tokens of a
@@ -84,6 +92,30 @@ class SpeculativeConfig(BaseModel):
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config.model names a draft model, which method ngram does not take")
         return self
+
+
+def cpu_auto_dtype(model_config: ModelConfig) -> torch.dtype:
+    """What `--dtype auto` runs a 16-bit checkpoint in on this CPU (EngineConfig.torch_dtype)."""
+    from kernels.backend import cpu_supports_bf16
+
+    if cpu_supports_bf16():
+        return torch.bfloat16
+    free = available_memory_bytes()
+    if free is not None and model_config.num_parameters * 4 > free // 2:
+        return torch.bfloat16  # float32 weights would crowd out the KV cache and everything else
+    return torch.float32
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def available_cores() -> int:
@@ -148,22 +180,20 @@ class EngineConfig(BaseModel):
         return torch.device(self.device)
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        """The dtype of weights and activations. `auto`: on CUDA the checkpoint's (bfloat16 for a dequantized
+        GGUF); on CPU a float32 checkpoint stays float32, and a 16-bit one (or a GGUF) runs in bfloat16 where the
+        CPU multiplies it natively (AVX512-BF16 or AMX), else in float32 where float32 weights fit in half the
+        memory this machine has free (docs/BENCHMARKS.md, "On the AVX2 EPYC": float32 is the faster there, as
+        bfloat16 is emulated), else in bfloat16."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
-        if model_config.checkpoint_format == "gguf":
-            return self._preferred_dtype()  # dequantized: no dtype of its own
-        dtype = _DTYPES.get(model_config.torch_dtype or "float32", torch.float32)
-        if self.resolved_device().type == "cpu" and dtype == torch.float16:
-            return torch.bfloat16  # float16 matmuls are slow and imprecise on CPU
-        return dtype
-
-    def _preferred_dtype(self) -> torch.dtype:
-        """bfloat16 where the hardware multiplies it natively (CUDA, AVX512-BF16 or AMX CPUs), else float32."""
-        from kernels.backend import cpu_supports_bf16
-
-        if self.resolved_device().type == "cuda" or cpu_supports_bf16():
-            return torch.bfloat16
-        return torch.float32
+        gguf = model_config.checkpoint_format == "gguf"
+        checkpoint = None if gguf else _DTYPES.get(model_config.torch_dtype or "float32", torch.float32)
+        if self.resolved_device().type == "cuda":
+            return checkpoint or torch.bfloat16
+        if checkpoint == torch.float32:
+            return torch.float32
+        return cpu_auto_dtype(model_config)
 
     def resolve(self, model_config: ModelConfig) -> int:
         """Check this config against the model; returns the context length it serves (max_model_len)."""

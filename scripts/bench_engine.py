@@ -89,11 +89,11 @@ def bench_limit(llm, num_seqs: int, prompt_len: int, output_len: int, repeats: i
 
     def timed(sched: SchedulerOutput) -> float:
         step = prepare_step(sched, block_size)
-        runner.execute_model(step)  # warm-up
+        runner.execute_model(step, None)  # warm-up: the forward pass alone, nothing sampled
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            runner.execute_model(step)
+            runner.execute_model(step, None)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 

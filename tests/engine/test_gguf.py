@@ -185,3 +185,29 @@ def test_gguf_to_hf_writes_what_transformers_reads_back_as_the_original(tiny_qwe
     prompts = random_prompts([5, 30], seed=11)
     assert hf_greedy(out, prompts, 10, ignore_eos=True) == hf_greedy(tiny_qwen3_dir, prompts, 10, ignore_eos=True)
     assert load_tokenizer(out).encode("héllo wörld") == load_tokenizer(tiny_qwen3_dir).encode("héllo wörld")
+
+
+@pytest.mark.parametrize("checkpoint", ["bfloat16", "float16"])
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_dtype_of_a_16_bit_checkpoint_on_cpu_is_the_faster_one_that_fits(checkpoint, native_bf16, tiny_llama_dir,
+                                                                              monkeypatch):
+    """bfloat16 where the CPU multiplies it; float32 where it emulates it (AVX2), unless float32 weights would
+    take more than half the free memory; a float32 checkpoint and an explicit dtype are kept."""
+    monkeypatch.setattr("kernels.backend.cpu_supports_bf16", lambda: native_bf16)
+    config = load_model_config(tiny_llama_dir).model_copy(update={"torch_dtype": checkpoint})
+    cpu = EngineConfig(model="x", device="cpu")
+    monkeypatch.setattr("engine.config.available_memory_bytes", lambda: 8 * config.num_parameters * 4)
+    assert cpu.torch_dtype(config) == (torch.bfloat16 if native_bf16 else torch.float32)
+    monkeypatch.setattr("engine.config.available_memory_bytes", lambda: config.num_parameters * 4)
+    assert cpu.torch_dtype(config) == torch.bfloat16  # float32 would not fit in half of what is free
+    assert EngineConfig(model="x", device="cpu", dtype=checkpoint).torch_dtype(config) == getattr(torch, checkpoint)
+    as_float32 = config.model_copy(update={"torch_dtype": "float32"})
+    assert cpu.torch_dtype(as_float32) == torch.float32
+
+
+def test_num_parameters_counts_the_matrices_transformers_loads(tiny_llama_dir):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    matrices = sum(p.numel() for p in hf.parameters() if p.dim() == 2)  # a tied head is one parameter
+    assert load_model_config(tiny_llama_dir).num_parameters == matrices
