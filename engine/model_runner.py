@@ -14,14 +14,14 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, available_memory_bytes
 from engine.gpu_memory import GIB, KVCacheMemoryError, check_share_is_free, gpu_memory_for, kv_cache_budget
 from engine.sampler import SampledToken, SamplingBatch, sample
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.warmup import warm_up_attention, warm_up_sampling
 from kernels.backend import get_backend
 from parallel.comm import min_over_ranks
-from parallel.layers import pack_linear_weights
+from parallel.layers import pack_linear_weights, weight_bytes
 from parallel.state import ParallelContext
 
 _CPU_DEFAULT_KV_GB = 2.0
@@ -214,7 +214,9 @@ class ModelRunner:
         self.model = load_model(
             config.model, model_config, self.dtype, self.device, self.parallel, self.backend
         )
-        pack_linear_weights(self.model, self.backend.pack_linear_weight)  # oneDNN's layout on the native CPU path
+        # oneDNN's layout on the native CPU path, and the weights as they are beside it for the small-batch kernel
+        # where that copy fits (kernels/linear.py)
+        pack_linear_weights(self.model, self.backend.pack_linear_weight, keep_dense=self._room_for_a_second_copy())
         self.model.cover_positions(self.max_model_len)  # a rope-scaled context may pass max_position_embeddings
         num_blocks = num_blocks or self._size_kv_cache(memory_at_start)
         # block ids are shared by every rank (one block manager): all hold the smallest rank's count
@@ -242,6 +244,13 @@ class ModelRunner:
         at_start = self._gpu_memory.read()
         check_share_is_free(at_start, self.config.gpu_memory_utilization)
         return at_start
+
+    def _room_for_a_second_copy(self) -> bool:
+        """Whether a second copy of the loaded weights takes at most a quarter of the memory still free (CPU)."""
+        if self.device.type != "cpu":
+            return False
+        free = available_memory_bytes()
+        return free is not None and weight_bytes(self.model) <= free // 4
 
     def _size_kv_cache(self, memory_at_start) -> int:
         """How many KV blocks this rank holds: num_kv_blocks, else kv_cache_memory_gb, else on a GPU what

@@ -23,7 +23,7 @@ from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_decode_attention_torch, paged_prefill_attention_torch
 from kernels.bitmask import apply_token_bitmask_torch
 from kernels.cache import write_kv_cache_torch
-from kernels.linear import no_packing, pack_for_onednn
+from kernels.linear import no_packing, onednn_packer
 from kernels.norm import rms_norm_torch
 from kernels.rotary import rotary_embedding_torch
 from kernels.sampling import sample_tokens_torch
@@ -40,7 +40,8 @@ class KernelBackend:
     silu_and_mul: Callable
     sample_tokens: Callable
     apply_token_bitmask: Callable  # the structured-output mask, in place before sampling (kernels/bitmask.py)
-    # weight [out, in] -> a PackedLinearWeight the linear layers multiply with instead, or None (kernels/linear.py)
+    # (weight [out, in], keep_dense) -> a PackedLinearWeight the linear layers multiply with instead, or None;
+    # keep_dense lets it hold the weight as it is too, for a kernel that reads that layout (kernels/linear.py)
     pack_linear_weight: Callable = no_packing
 
 
@@ -89,8 +90,8 @@ NATIVE_DTYPES = (
 
 @functools.cache
 def _native_cpu_backend(target: str, reference_bf16_prefill: bool) -> KernelBackend | None:
-    """The native CPU kernels (attention, RMSNorm, SiLU-and-mul, rotary, sampling, the grammar mask; the KV write stays the
-    reference's index_copy_) built for `target` (kernels/cpu_native.py's ISA_FLAGS), each falling back to its
+    """The native CPU kernels (attention, the KV write, RMSNorm, SiLU-and-mul, rotary, sampling, the grammar mask, and
+    in the AVX2 build the small-batch linear product beside oneDNN's packed one) built for `target` (kernels/cpu_native.py's ISA_FLAGS), each falling back to its
     reference for inputs it doesn't take (and, with `reference_bf16_prefill`, bfloat16 prefill attention); or None
     where the extension can't be built."""
     native = cpu_native.load(target)
@@ -166,6 +167,13 @@ def _native_cpu_backend(target: str, reference_bf16_prefill: bool) -> KernelBack
             return native.sample_tokens(logits, temperature, top_k, top_p, min_p, uniforms)
         return sample_tokens_torch(logits, temperature, top_k, top_p, min_p, uniforms)
 
+    def write_kv_cache(key, value, kv_cache, slot_mapping):
+        if (key.dtype == value.dtype == kv_cache.dtype and slot_mapping.dtype == torch.int64
+                and kv_cache.is_contiguous()):
+            native.write_kv_cache(key, value, kv_cache, slot_mapping)
+        else:
+            write_kv_cache_torch(key, value, kv_cache, slot_mapping)
+
     def apply_token_bitmask(logits, bitmask, rows):
         if logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
             native.apply_token_bitmask(logits, bitmask.to(torch.int32), rows.to(torch.int64))
@@ -176,8 +184,10 @@ def _native_cpu_backend(target: str, reference_bf16_prefill: bool) -> KernelBack
         TORCH,
         name="cpu",
         apply_token_bitmask=apply_token_bitmask,
-        pack_linear_weight=pack_for_onednn,
+        # the small-batch product where it was measured faster than oneDNN's: the AVX2 build (kernels/linear.py)
+        pack_linear_weight=onednn_packer(native.small_batch_linear if native.vector_isa() == "avx2" else None),
         sample_tokens=sample_tokens,
+        write_kv_cache=write_kv_cache,
         paged_decode_attention=paged_decode_attention,
         paged_prefill_attention=paged_prefill_attention,
         rms_norm=rms_norm,

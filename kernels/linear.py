@@ -1,31 +1,53 @@
-"""A linear layer's matrix product, x W^T (+ bias): torch's F.linear, or oneDNN's on a weight packed once.
+"""A linear layer's matrix product, x W^T (+ bias): torch's F.linear, or oneDNN's on a weight packed once, or
+for a few rows of float32 activations the native small-batch product on the weight as it is.
 
 Unpacked, each F.linear call on CPU reorders the weight into oneDNN's blocked layout before it
 multiplies; packed once at load, a bench-model decode step's matrix products run 1.3-1.7x faster at
 batch 1-50 (docs/BENCHMARKS.md, "Kernels"). bfloat16 results are bit-identical to F.linear's; float32's
-differ in the last bits (another summation order). The kernel backend chooses the packer
-(kernels/backend.py); the parallel layers only hold what it returns.
+differ in the last bits (another summation order). At batch 1-8 a product reads the whole weight for a few
+rows: oneDNN's reads it at about half the rate two AVX2 cores stream memory, and the native kernel
+(kernels/cpu/linear.cpp) at the full rate, 1.5x faster at batch 1 on the AVX2 EPYC (docs/BENCHMARKS.md, "On
+the AVX2 EPYC"). It needs the weight in its own row-major layout, so a layer holds both copies where memory
+allows (the model runner decides) and the LM head always (its dense weight is kept for a tied embedding). The
+kernel backend chooses the packer (kernels/backend.py); the parallel layers only hold what it returns.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# Rows of activations up to which the native small-batch product beats oneDNN's packed one on float32 weights
+# (the two cross between 8 and 16 rows: docs/BENCHMARKS.md, "On the AVX2 EPYC")
+SMALL_BATCH_MAX_ROWS = 8
 
 
 class PackedLinearWeight:
-    """A [out, in] CPU weight in oneDNN's blocked layout."""
+    """A [out, in] CPU weight in oneDNN's blocked layout; with `small_batch` (the native kernel) also kept as it
+    is, for products of at most SMALL_BATCH_MAX_ROWS float32 rows."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, small_batch: Callable | None = None):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        use_small = small_batch is not None and weight.dtype == torch.float32
+        self.small_batch = small_batch if use_small else None
+        self.dense = weight.detach() if use_small else None  # keeps the weight's storage when the layer drops it
 
     @property
     def nbytes(self) -> int:
+        """The packed copy's bytes: what stands in for the weight (parallel.layers.weight_bytes)."""
         return self.packed.numel() * self.packed.element_size()
 
+    @property
+    def dense_copy_bytes(self) -> int:
+        """The bytes of the dense copy held beside the packed one for the small-batch kernel (0: none)."""
+        return self.dense.numel() * self.dense.element_size() if self.dense is not None else 0
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [n, in] -> [n, out]
+        if self.small_batch is not None and x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.dtype == torch.float32:
+            return self.small_batch(x, self.dense, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
@@ -37,20 +59,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
-def no_packing(weight: torch.Tensor) -> None:
+def no_packing(weight: torch.Tensor, keep_dense: bool = False) -> None:
     """The torch and Triton backends multiply the weight as it is."""
     return None
 
 
-def pack_for_onednn(weight: torch.Tensor) -> PackedLinearWeight | None:
-    """The native CPU backend's packer: a CPU float32 or bfloat16 weight, packed; anything else as it is, and so
-    is a bfloat16 weight on a CPU whose oneDNN cannot pack one (it needs AVX-512 or AVX-NE-CONVERT; on AVX2 alone
-    its reorder raises, and F.linear still multiplies bfloat16)."""
-    if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
-        return None
-    try:
-        return PackedLinearWeight(weight)
-    except RuntimeError:
-        if weight.dtype != torch.bfloat16:
-            raise
-        return None
+def onednn_packer(small_batch: Callable | None = None) -> Callable[..., PackedLinearWeight | None]:
+    """The native CPU backend's packer; `small_batch`: the native small-batch kernel, for the weights the caller
+    lets it keep dense (`keep_dense`)."""
+
+    def pack(weight: torch.Tensor, keep_dense: bool = False) -> PackedLinearWeight | None:
+        """A CPU float32 or bfloat16 weight, packed; anything else as it is, and so is a bfloat16 weight on a CPU
+        whose oneDNN cannot pack one (it needs AVX-512 or AVX-NE-CONVERT; on AVX2 alone its reorder raises, and
+        F.linear still multiplies bfloat16)."""
+        if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
+            return None
+        try:
+            return PackedLinearWeight(weight, small_batch if keep_dense else None)
+        except RuntimeError:
+            if weight.dtype != torch.bfloat16:
+                raise
+            return None
+
+    return pack
+
+
+pack_for_onednn = onednn_packer()  # oneDNN's layout alone

@@ -76,22 +76,32 @@ def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> tor
     return linear(x, layer.weight, bias, layer.packed_weight)
 
 
-def pack_linear_weights(model: nn.Module, pack: Callable[[torch.Tensor], PackedLinearWeight | None]) -> int:
+def pack_linear_weights(model: nn.Module, pack: Callable[..., PackedLinearWeight | None],
+                        keep_dense: bool = False) -> int:
     """Give every linear layer (and the LM head) the packed copy of its weight that `pack` (the kernel
     backend's `pack_linear_weight`) makes, if it makes one. A packed linear layer's dense weight is then
-    released (not the LM head's, which a tied embedding may share). Returns the layers packed."""
+    released (not the LM head's, which a tied embedding may share), unless `keep_dense` lets the packed copy
+    hold it too (for the small-batch kernel: twice the memory). Returns the layers packed."""
     count = 0
     for module in model.modules():
         if not isinstance(module, (_OutputShardedLinear, RowParallelLinear, ParallelLMHead)):
             continue
-        packed = pack(module.weight)
+        is_head = isinstance(module, ParallelLMHead)
+        packed = pack(module.weight, keep_dense=keep_dense or is_head)  # the head's dense weight stays anyway
         if packed is None:
             continue
         module.packed_weight = packed
-        if not isinstance(module, ParallelLMHead):
+        if not is_head:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)
         count += 1
     return count
+
+
+def dense_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the second, dense copies of packed linear weights that the small-batch kernel reads (not the LM
+    head's: that dense weight is the layer's own, counted by weight_bytes)."""
+    return sum(module.packed_weight.dense_copy_bytes for module in model.modules()
+               if getattr(module, "packed_weight", None) is not None and module.weight.numel() == 0)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from engine.model_runner import ModelRunner, StepInput
 from engine.sampler import SampledToken, SamplingBatch
-from parallel.layers import weight_bytes
+from parallel.layers import dense_copy_bytes, weight_bytes
 
 
 class Executor(Protocol):
@@ -49,15 +49,17 @@ class Executor(Protocol):
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Bytes one rank holds in weights and in KV cache."""
+    """Bytes one rank holds in weights and in KV cache, and in dense copies of packed linear weights (CPU: the
+    small-batch kernel's, kernels/linear.py)."""
 
     rank: int
     weight_bytes: int
     kv_cache_bytes: int
+    dense_copy_bytes: int = 0
 
 
 def measure_memory(runner: ModelRunner) -> RankMemory:
     """Tensor byte counts of a rank's parameters (a tied head counted once) and KV cache."""
     weights = weight_bytes(runner.model)
     kv = sum(cache.numel() * cache.element_size() for cache in runner.kv_caches)
-    return RankMemory(runner.parallel.rank, weights, kv)
+    return RankMemory(runner.parallel.rank, weights, kv, dense_copy_bytes(runner.model))

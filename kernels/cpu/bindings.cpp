@@ -18,6 +18,8 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
 at::Tensor sample_tokens(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                          const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& uniforms);
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slot_mapping);
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 }  // namespace shardserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -44,4 +46,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &shardserve::apply_token_bitmask,
         "In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is clear (kernels/bitmask.py)");
   m.def("rotary_embedding", &shardserve::rotary_embedding, "Rotary embedding of query and key: [query, key]");
+  m.def("write_kv_cache", &shardserve::write_kv_cache,
+        "In place: key and value rows into their slots of the paged cache, slot -1 skipped (kernels/cache.py)");
+  m.def("small_batch_linear", &shardserve::small_batch_linear,
+        "x W^T (+ b) for a few rows of x, W [out, in] as it is (kernels/linear.py)", py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
 }

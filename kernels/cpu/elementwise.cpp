@@ -13,6 +13,7 @@
 #include <cstring>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -231,6 +232,50 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
     outs.push_back(out);
   }
   return outs;
+}
+
+}  // namespace shardserve
+
+namespace shardserve {
+
+// Each token's key and value rows into its slot of the paged cache [2, kv_heads, blocks, block_size, head_dim]
+// (kernels/cache.py's layout); slot -1 is a padding token and is skipped. One pass, no gathers: the reference's
+// mask, compaction and two index_copy_ calls cost ~60 us a layer at batch 1.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.device().is_cpu() && kv_cache.device().is_cpu(), "write_kv_cache: CPU tensors only");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "write_kv_cache: the cache must be a contiguous [2, kv_heads, blocks, block_size, head_dim]");
+  const int64_t heads = kv_cache.size(1), blocks = kv_cache.size(2), block_size = kv_cache.size(3),
+                dim = kv_cache.size(4);
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == heads && key.size(2) == dim,
+              "write_kv_cache: key and value must be [tokens, kv_heads, head_dim] of the cache's shape");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+              "write_kv_cache: key, value and cache dtypes differ");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == key.size(0),
+              "write_kv_cache: one int64 slot per token");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t tokens = key.size(0), num_slots = blocks * block_size;
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] >= -1 && sp[t] < num_slots, "write_kv_cache: slot ", sp[t], " outside the cache's ", num_slots);
+  const at::Tensor kc = key.stride(2) == 1 ? key : key.contiguous();
+  const at::Tensor vc = value.stride(2) == 1 ? value : value.contiguous();
+  const int64_t row_bytes = dim * kv_cache.element_size();
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const int64_t half = heads * num_slots * row_bytes;  // keys, then values
+  for (const auto& [src, base] : {std::pair<const at::Tensor*, int64_t>{&kc, 0}, {&vc, half}}) {
+    const char* data = static_cast<const char*>(src->data_ptr());
+    const int64_t token_stride = src->stride(0) * src->element_size(), head_stride = src->stride(1) * src->element_size();
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (sp[t] < 0) continue;
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(cache + base + (h * num_slots + sp[t]) * row_bytes, data + t * token_stride + h * head_stride,
+                    row_bytes);
+      }
+    }
+  }
 }
 
 }  // namespace shardserve

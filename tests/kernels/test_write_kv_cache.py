@@ -39,3 +39,11 @@ def test_each_token_lands_in_its_slot_and_nothing_else_changes(
     written[slot_mapping[slot_mapping >= 0]] = True
     assert flat[:, :, ~written].isnan().all(), "a slot outside slot_mapping was written"
     assert not flat[:, :, written].isnan().any()
+
+
+def test_a_slot_outside_the_cache_is_refused_by_the_native_kernel(native):
+    kv_cache = torch.zeros(2, 1, 2, 16, 64)
+    key = value = torch.ones(2, 1, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        native.write_kv_cache(key, value, kv_cache, torch.tensor([3, 32]))
+    assert not kv_cache.any(), "nothing is written when a slot is refused"

@@ -26,7 +26,7 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 def test_a_weight_onednn_cannot_pack_is_left_as_it_is(monkeypatch):
-    def refuse(self, weight):
+    def refuse(self, weight, small_batch=None):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
 
     monkeypatch.setattr(PackedLinearWeight, "__init__", refuse)
@@ -84,3 +84,33 @@ def test_a_backend_without_packing_leaves_every_layer_dense():
     layer = RowParallelLinear(16, 8, parallel, dtype=torch.float32)
     assert pack_linear_weights(layer, no_packing) == 0
     assert layer.packed_weight is None and layer.weight.shape == (8, 16)
+
+
+def test_the_engine_keeps_dense_copies_for_the_small_batch_kernel_only_where_a_second_copy_fits(
+        tiny_llama_dir, monkeypatch):
+    """In the AVX2 build (the one that has the kernel; on an AVX-512 CPU its AVX2 build is chosen here), with memory
+    to spare the released linear weights are held twice; greedy tokens are those of the packed products alone."""
+    from engine import LLM, SamplingParams
+    from kernels import cpu_native
+
+    if "avx2" in cpu_native.runnable_isas():
+        monkeypatch.setenv("SHARDSERVE_CPU_ISA", "avx2")
+    assert cpu_native.load().vector_isa() == "avx2"
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 14, 3], [7, 7, 2]]
+    results = {}
+    for free in (1 << 40, 1 << 20):
+        monkeypatch.setattr("engine.model_runner.available_memory_bytes", lambda free=free: free)
+        llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, kernel_backend="cpu")
+        try:
+            (memory,) = llm.engine.executor.memory()
+            runner = llm.engine.executor._live_runner()
+            released = sum(m.packed_weight.nbytes for m in runner.model.modules()
+                           if getattr(m, "packed_weight", None) is not None and m.weight.numel() == 0)
+            tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy)]
+        finally:
+            llm.shutdown()
+        results[free] = (memory.dense_copy_bytes, released, tokens)
+    (kept, released, with_copies), (none, _, packed_only) = results[1 << 40], results[1 << 20]
+    assert released > 0 and kept == released and none == 0
+    assert with_copies == packed_only

@@ -1,0 +1,152 @@
+// A linear layer's matrix product for a few rows of activations, y = x W^T (+ b), reading W as it is
+// ([out, in], row-major, float32). At batch 1-8 a decode step's matrix products are
+// matrix-vector products bound by how fast W streams from memory; oneDNN's packed product and torch's
+// F.linear read it at about half of what two cores can stream on the AVX2 EPYC (docs/BENCHMARKS.md,
+// "On the AVX2 EPYC"). Here each thread streams its own rows of W, four at a time, and multiplies them
+// with every activation row while they are in L1, accumulating in float32 (one vector accumulator per
+// output, its lanes summed at the end: a summation order of its own, as oneDNN's is).
+
+#include "common.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Optional.h>
+
+namespace shardserve {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+template <typename T>
+inline Vec vload(const T* p) { return widen16(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+template <typename T>
+inline Vec vload(const T* p) { return widen8(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return reduce_add8(v); }
+#endif
+
+constexpr int64_t kRowsPerBlock = 4;
+
+// Output rows [begin, end) of every activation row: y[t, r] = sum_i x[t, i] W[r, i] (+ b[r]).
+template <typename T>
+void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t in, int64_t out, int64_t begin,
+                 int64_t end) {
+  int64_t r = begin;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  const int64_t vec_end = in - in % kLanes;
+  for (; r + kRowsPerBlock <= end; r += kRowsPerBlock) {
+    const T* w0 = w + r * in;
+    const T* w1 = w0 + in;
+    const T* w2 = w1 + in;
+    const T* w3 = w2 + in;
+    int64_t t = 0;
+    for (; t + 2 <= m; t += 2) {  // two activation rows at once: each W load feeds two FMAs
+      const T* xa = x + t * in;
+      const T* xb = xa + in;
+      Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+      Vec b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+      for (int64_t i = 0; i < vec_end; i += kLanes) {
+        const Vec xav = vload(xa + i);
+        const Vec xbv = vload(xb + i);
+        Vec wv = vload(w0 + i);
+        a0 = vfma(wv, xav, a0);
+        b0 = vfma(wv, xbv, b0);
+        wv = vload(w1 + i);
+        a1 = vfma(wv, xav, a1);
+        b1 = vfma(wv, xbv, b1);
+        wv = vload(w2 + i);
+        a2 = vfma(wv, xav, a2);
+        b2 = vfma(wv, xbv, b2);
+        wv = vload(w3 + i);
+        a3 = vfma(wv, xav, a3);
+        b3 = vfma(wv, xbv, b3);
+      }
+      float sa[kRowsPerBlock] = {vsum(a0), vsum(a1), vsum(a2), vsum(a3)};
+      float sb[kRowsPerBlock] = {vsum(b0), vsum(b1), vsum(b2), vsum(b3)};
+      const T* ws[kRowsPerBlock] = {w0, w1, w2, w3};
+      for (int64_t i = vec_end; i < in; ++i) {
+        const float xai = load(xa[i]), xbi = load(xb[i]);
+        for (int64_t k = 0; k < kRowsPerBlock; ++k) {
+          sa[k] += load(ws[k][i]) * xai;
+          sb[k] += load(ws[k][i]) * xbi;
+        }
+      }
+      for (int64_t k = 0; k < kRowsPerBlock; ++k) {
+        const float b = bias != nullptr ? load(bias[r + k]) : 0.f;
+        store(sa[k] + b, y + t * out + r + k);
+        store(sb[k] + b, y + (t + 1) * out + r + k);
+      }
+    }
+    for (; t < m; ++t) {
+      const T* xt = x + t * in;
+      Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+      for (int64_t i = 0; i < vec_end; i += kLanes) {
+        const Vec xv = vload(xt + i);
+        a0 = vfma(vload(w0 + i), xv, a0);
+        a1 = vfma(vload(w1 + i), xv, a1);
+        a2 = vfma(vload(w2 + i), xv, a2);
+        a3 = vfma(vload(w3 + i), xv, a3);
+      }
+      float s[kRowsPerBlock] = {vsum(a0), vsum(a1), vsum(a2), vsum(a3)};
+      for (int64_t i = vec_end; i < in; ++i) {
+        const float xi = load(xt[i]);
+        s[0] += load(w0[i]) * xi;
+        s[1] += load(w1[i]) * xi;
+        s[2] += load(w2[i]) * xi;
+        s[3] += load(w3[i]) * xi;
+      }
+      for (int64_t k = 0; k < kRowsPerBlock; ++k) {
+        store(bias != nullptr ? s[k] + load(bias[r + k]) : s[k], y + t * out + r + k);
+      }
+    }
+  }
+#endif
+  for (; r < end; ++r) {  // the rows left over (and every row where the build has no vector code)
+    const T* wr = w + r * in;
+    for (int64_t t = 0; t < m; ++t) {
+      const T* xt = x + t * in;
+      float s = 0.f;
+      for (int64_t i = 0; i < in; ++i) s += load(wr[i]) * load(xt[i]);
+      store(bias != nullptr ? s + load(bias[r]) : s, y + t * out + r);
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "small_batch_linear: x [m, in] and weight [out, in]");
+  TORCH_CHECK(x.size(1) == weight.size(1), "small_batch_linear: x has ", x.size(1), " columns, weight ",
+              weight.size(1));
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "small_batch_linear: float32 x and weight only");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == weight.size(0) && bias->scalar_type() == weight.scalar_type()),
+              "small_batch_linear: bias must be [out] in the weight's dtype");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor wc = weight.contiguous();
+  const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const int64_t m = xc.size(0), in = xc.size(1), out = wc.size(0);
+  at::Tensor y = at::empty({m, out}, xc.options());
+  {
+    using T = float;
+    const T* xp = xc.data_ptr<T>();
+    const T* wp = wc.data_ptr<T>();
+    const T* bp = bc.defined() ? bc.data_ptr<T>() : nullptr;
+    T* yp = y.data_ptr<T>();
+    // whole blocks of rows to each thread (the grain: at least 16 blocks, 64 rows, a thread)
+    const int64_t blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+      linear_rows(xp, wp, bp, yp, m, in, out, begin * kRowsPerBlock, std::min(out, end * kRowsPerBlock));
+    });
+  }
+  return y;
+}
+
+}  // namespace shardserve
