@@ -4,8 +4,9 @@
 
 Times each op of the `cpu` backend (kernels/cpu/*.cpp, oneDNN pre-packed weights) against the `torch`
 reference on the same inputs, alternating the two, and prints the median of --repeats rounds (each
-round the mean of --calls calls) and their ratio. Shapes: bfloat16, 8 query / 4 KV heads, head_dim 64,
-hidden 512, intermediate 1408, blocks of 16 scattered over the cache as a busy server's are.
+round the mean of --calls calls) and their ratio. Shapes: 8 query / 4 KV heads, head_dim 64, hidden 512,
+intermediate 1408, blocks of 16 scattered over the cache as a busy server's are; in the dtype `--dtype auto` runs
+the bench model in here (bfloat16 where the CPU multiplies it natively, else float32), or --dtype's.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import TORCH, get_backend
-from kernels.linear import linear, pack_for_onednn
+from kernels.backend import TORCH, cpu_supports_bf16, get_backend
+from kernels.linear import linear
 from kernels.rotary import rope_cos_sin_cache
 from scripts.doc_blocks import rewrite_block, timing_body
 
 BEGIN, END = "<!-- cpu-kernels:begin -->", "<!-- cpu-kernels:end -->"
-DTYPE = torch.bfloat16
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, BLOCK = 8, 4, 64, 512, 1408, 16
 
 
@@ -34,20 +34,20 @@ def timed(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
-def paged_scene(num_seqs: int, context: int, generator: torch.Generator):
+def paged_scene(num_seqs: int, context: int, generator: torch.Generator, dtype: torch.dtype):
     blocks_per_seq = -(-context // BLOCK)
     num_blocks = num_seqs * blocks_per_seq + 8
-    kv_cache = torch.randn(2, KV_HEADS, num_blocks, BLOCK, HEAD_DIM, generator=generator).to(DTYPE)
+    kv_cache = torch.randn(2, KV_HEADS, num_blocks, BLOCK, HEAD_DIM, generator=generator).to(dtype)
     order = torch.randperm(num_blocks, generator=generator)[: num_seqs * blocks_per_seq]
     return kv_cache, order.view(num_seqs, blocks_per_seq).to(torch.int32)
 
 
-def cases(generator: torch.Generator):
+def cases(generator: torch.Generator, dtype: torch.dtype):
     """(label, reference call, native call)."""
     native = get_backend("cpu", "cpu")
     for batch, context in [(10, 576), (50, 576)]:
-        kv, tables = paged_scene(batch, context, generator)
-        q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator).to(DTYPE)
+        kv, tables = paged_scene(batch, context, generator, dtype)
+        q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator).to(dtype)
         lens = torch.full((batch,), context, dtype=torch.int32)
         yield (
             f"decode attention, batch {batch} × context {context}",
@@ -55,8 +55,8 @@ def cases(generator: torch.Generator):
             lambda q=q, kv=kv, t=tables, n=lens: native.paged_decode_attention(q, kv, t, n, 0.125),
         )
     for cached, new in [(0, 512), (512, 512)]:
-        kv, tables = paged_scene(1, cached + new, generator)
-        q = torch.randn(new, HEADS, HEAD_DIM, generator=generator).to(DTYPE)
+        kv, tables = paged_scene(1, cached + new, generator, dtype)
+        q = torch.randn(new, HEADS, HEAD_DIM, generator=generator).to(dtype)
         starts = torch.tensor([0, new], dtype=torch.int32)
         lens = torch.tensor([cached + new], dtype=torch.int32)
         yield (
@@ -67,8 +67,8 @@ def cases(generator: torch.Generator):
     # speculative verification: 10 sequences, each its last token and 4 proposals on 571 cached (as the model
     # calls it, with the longest chunk known: the engine's backend keeps such short chunks native on AMX too)
     batch, new, cached = 10, 5, 571
-    kv, tables = paged_scene(batch, cached + new, generator)
-    q = torch.randn(batch * new, HEADS, HEAD_DIM, generator=generator).to(DTYPE)
+    kv, tables = paged_scene(batch, cached + new, generator, dtype)
+    q = torch.randn(batch * new, HEADS, HEAD_DIM, generator=generator).to(dtype)
     starts = torch.arange(batch + 1, dtype=torch.int32) * new
     lens = torch.full((batch,), cached + new, dtype=torch.int32)
     yield (
@@ -79,11 +79,11 @@ def cases(generator: torch.Generator):
     )
     cos_sin = rope_cos_sin_cache(HEAD_DIM, 4096, 10000.0)
     for tokens in (10, 512):
-        x = torch.randn(tokens, HIDDEN, generator=generator).to(DTYPE)
-        residual = torch.randn(tokens, HIDDEN, generator=generator).to(DTYPE)
-        weight = torch.randn(HIDDEN, generator=generator).to(DTYPE)
-        gate_up = torch.randn(tokens, 2 * INTERMEDIATE, generator=generator).to(DTYPE)
-        qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator).to(DTYPE)
+        x = torch.randn(tokens, HIDDEN, generator=generator).to(dtype)
+        residual = torch.randn(tokens, HIDDEN, generator=generator).to(dtype)
+        weight = torch.randn(HIDDEN, generator=generator).to(dtype)
+        gate_up = torch.randn(tokens, 2 * INTERMEDIATE, generator=generator).to(dtype)
+        qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator).to(dtype)
         q, k, _ = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
         q, k = q.view(tokens, HEADS, HEAD_DIM), k.view(tokens, KV_HEADS, HEAD_DIM)
         positions = torch.arange(tokens, dtype=torch.int64)
@@ -104,10 +104,12 @@ def cases(generator: torch.Generator):
         )
     # a decode step's matrix products: 8 layers' QKV, O, gate/up, down, and the LM head
     shapes = [(1024, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * 8
-    weights = [torch.randn(s, generator=generator).to(DTYPE) * 0.02 for s in [*shapes, (32000, HIDDEN)]]
-    packed = [pack_for_onednn(w) for w in weights]
-    for tokens in (1, 10, 50):
-        inputs = {n: torch.randn(tokens, n, generator=generator).to(DTYPE) for n in (HIDDEN, INTERMEDIATE)}
+    weights = [torch.randn(s, generator=generator).to(dtype) * 0.02 for s in [*shapes, (32000, HIDDEN)]]
+    # as the engine packs them: the LM head and, where memory allows, every layer keep the dense copy the AVX2
+    # build's small-batch kernel reads (kernels/linear.py)
+    packed = [native.pack_linear_weight(w, keep_dense=True) for w in weights]
+    for tokens in (1, 4, 10, 50):
+        inputs = {n: torch.randn(tokens, n, generator=generator).to(dtype) for n in (HIDDEN, INTERMEDIATE)}
         yield (
             f"a decode step's linears (8 layers + LM head), batch {tokens}",
             lambda xs=inputs: [F.linear(xs[w.shape[1]], w) for w in weights],
@@ -119,11 +121,14 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"],
+                        help="default: bfloat16 where the CPU multiplies it natively, else float32 (as --dtype auto)")
     parser.add_argument("--write-doc", action="store_true")
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cpu_supports_bf16() else torch.float32)
     generator = torch.Generator().manual_seed(0)
     rows = []
-    for label, reference, native in cases(generator):
+    for label, reference, native in cases(generator, dtype):
         reference(), native()  # warm-up (and the extension's build, the first time)
         ref_ms, native_ms = [], []
         for _ in range(args.repeats):
@@ -133,7 +138,7 @@ def main(argv=None) -> None:
         rows.append(f"| {label} | {ref:.3f} | {nat:.3f} | {ref / nat:.1f}× |")
         print(rows[-1], flush=True)
     body = timing_body(
-        "bfloat16",
+        str(dtype).removeprefix("torch."),
         ["op", "torch reference ms", "native ms", "speed-up"],
         rows,
         args.repeats,
