@@ -102,8 +102,9 @@ def test_requests_sharing_a_system_prompt_go_to_one_replica_and_hit_its_prefix_c
 def test_a_new_prefix_goes_to_the_less_loaded_replica(routed, client):
     _, home, _ = replica_of(routed, lambda: chat(client, SYSTEM_A, "Again?"))
     for question in ("Ahoy?", "Treasure?", "Ship?"):
-        _, other, _ = replica_of(routed, lambda q=question: chat(client, SYSTEM_B, q))
-        assert other != home
+        _, other, why = replica_of(routed, lambda q=question: chat(client, SYSTEM_B, q))
+        # the reason tells a routing decision (least_loaded, prefix_hit) from Serve's fallback (preferred_busy)
+        assert other != home, f"{question} went home ({why})"
     # `other` now holds more prefix blocks than `home`: by remembered prefixes alone, a new prefix would go home
 
     async def load_home_then_send_new_prefix():
