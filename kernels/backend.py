@@ -90,10 +90,10 @@ NATIVE_DTYPES = (
 
 @functools.cache
 def _native_cpu_backend(target: str, reference_bf16_prefill: bool) -> KernelBackend | None:
-    """The native CPU kernels (attention, the KV write, RMSNorm, SiLU-and-mul, rotary, sampling, the grammar mask, and
-    in the AVX2 build the small-batch linear product beside oneDNN's packed one) built for `target` (kernels/cpu_native.py's ISA_FLAGS), each falling back to its
-    reference for inputs it doesn't take (and, with `reference_bf16_prefill`, bfloat16 prefill attention); or None
-    where the extension can't be built."""
+    """The native CPU kernels (attention, the KV write, RMSNorm, SiLU-and-mul, rotary, sampling, the grammar mask,
+    and in the AVX2 build the small-batch linear product beside oneDNN's packed one) built for `target`
+    (kernels/cpu_native.py's ISA_FLAGS), each falling back to its reference for inputs it doesn't take (and, with
+    `reference_bf16_prefill`, bfloat16 prefill attention); or None where the extension can't be built."""
     native = cpu_native.load(target)
     if native is None:
         return None
