@@ -97,22 +97,23 @@ def pack_linear_weights(model: nn.Module, pack: Callable[..., PackedLinearWeight
     return count
 
 
+def _released_packed_weights(model: nn.Module) -> list[PackedLinearWeight]:
+    """The packed copies that stand in for a dense weight their layer released (not the LM head's)."""
+    return [module.packed_weight for module in model.modules()
+            if getattr(module, "packed_weight", None) is not None and module.weight.numel() == 0]
+
+
 def dense_copy_bytes(model: nn.Module) -> int:
     """Bytes of the second, dense copies of packed linear weights that the small-batch kernel reads (not the LM
     head's: that dense weight is the layer's own, counted by weight_bytes)."""
-    return sum(module.packed_weight.dense_copy_bytes for module in model.modules()
-               if getattr(module, "packed_weight", None) is not None and module.weight.numel() == 0)
+    return sum(packed.dense_copy_bytes for packed in _released_packed_weights(model))
 
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of a model's weights, each counted once (a tied head too): a packed layer's packed copy
     stands in for the dense weight it released. (The LM head keeps both copies; counted once.)"""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    for module in model.modules():
-        packed = getattr(module, "packed_weight", None)
-        if packed is not None and module.weight.numel() == 0:
-            total += packed.nbytes
-    return total
+    return total + sum(packed.nbytes for packed in _released_packed_weights(model))
 
 
 class _OutputShardedLinear(nn.Module):

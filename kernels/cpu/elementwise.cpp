@@ -234,10 +234,6 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
   return outs;
 }
 
-}  // namespace shardserve
-
-namespace shardserve {
-
 // Each token's key and value rows into its slot of the paged cache [2, kv_heads, blocks, block_size, head_dim]
 // (kernels/cache.py's layout); slot -1 is a padding token and is skipped. One pass, no gathers: the reference's
 // mask, compaction and two index_copy_ calls cost ~60 us a layer at batch 1.

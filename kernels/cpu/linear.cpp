@@ -134,18 +134,15 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
   const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
   const int64_t m = xc.size(0), in = xc.size(1), out = wc.size(0);
   at::Tensor y = at::empty({m, out}, xc.options());
-  {
-    using T = float;
-    const T* xp = xc.data_ptr<T>();
-    const T* wp = wc.data_ptr<T>();
-    const T* bp = bc.defined() ? bc.data_ptr<T>() : nullptr;
-    T* yp = y.data_ptr<T>();
-    // whole blocks of rows to each thread (the grain: at least 16 blocks, 64 rows, a thread)
-    const int64_t blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
-    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-      linear_rows(xp, wp, bp, yp, m, in, out, begin * kRowsPerBlock, std::min(out, end * kRowsPerBlock));
-    });
-  }
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // whole blocks of rows to each thread (the grain: at least 16 blocks, 64 rows, a thread)
+  const int64_t blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    linear_rows(xp, wp, bp, yp, m, in, out, begin * kRowsPerBlock, std::min(out, end * kRowsPerBlock));
+  });
   return y;
 }
 
