@@ -18,8 +18,11 @@ import types
 import typing
 from typing import Any
 
+from pydantic import ValidationError
+
 from app.config import ServeArgs
 from app.control_plane import apply_control_plane
+from app.cpu_placement import keep_control_plane_off_compute_cores, plan_cpu_threads_bind
 from app.direct_ingress import direct_ingress_env, resolve_http_ingress
 from app.ray_cluster import (
     adopt_orphaned_descendants,
@@ -78,7 +81,13 @@ def serve_args_from(namespace: argparse.Namespace) -> ServeArgs:
             raise SystemExit(f"shardserve serve: the model is given twice, as {model_tag!r} and as --model "
                              f"{fields['model']!r}: give it once")
         fields["model"] = model_tag
-    return ServeArgs(**fields)
+    try:
+        return ServeArgs(**fields)
+    except ValidationError as e:  # a flag's value the settings refuse: its name and why, not a traceback
+        error = e.errors()[0]
+        field, *inside = [str(part) for part in error["loc"] if part != "[key]"] or [""]
+        where = ("--" + field.replace("_", "-") + "".join(f" {part!r}" for part in inside) + ": ") if field else ""
+        raise SystemExit(f"shardserve serve: {where}{error['msg'].removeprefix('Value error, ')}") from None
 
 
 def _cluster_cpus(args: ServeArgs) -> int:
@@ -131,8 +140,11 @@ def serve(args: ServeArgs, ray_address: str | None = None) -> None:
     except ValueError as e:
         raise SystemExit(f"shardserve serve: {e}") from None
     proxy_port = args.port
-    if ray_address is None:  # our own Ray: its processes start with the profile's periods
+    # "auto" resolved for this machine (our own Ray) or for several replicas (app/cpu_placement.py)
+    args = plan_cpu_threads_bind(args, own_cluster=ray_address is None)
+    if ray_address is None:  # our own Ray: its processes start with the profile's periods, off the compute cores
         apply_control_plane(args.control_plane)
+        keep_control_plane_off_compute_cores(args)
     if ingress == "direct":  # set before Ray starts, as the proxy's middleware is: Serve reads them at import
         os.environ.update(direct_ingress_env(args.port))
         proxy_port = 0  # the head's fallback proxy, off the replica's port: on one the system picks as it binds

@@ -106,6 +106,10 @@ class ServeArgs(BaseModel):
         "on CUDA, native else torch on CPU"))
     cpu_threads: int | None = engine_field("cpu_threads", (
         "torch threads per rank on CPU (default: the cores this process may run on, shared by the ranks)"))
+    cpu_threads_bind: str = engine_field("cpu_threads_bind", (
+        "the cores each rank's CPU threads are bound to, one thread per core (vLLM's VLLM_CPU_OMP_THREADS_BIND): "
+        "auto, none (the OS places them), or a list of cores per rank, '0-3' or '0-1|2-3' for two ranks "
+        "(docs/OPERATIONS.md, \"CPU threads\")"))
     # HTTP
     host: str = Field("127.0.0.1", description=(
         "address to listen on: 127.0.0.1 is this machine only, 0.0.0.0 every interface"))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.cpu_binding import allowed_cores, check_setting, rank_lists
 from engine.errors import InvalidRequestError
 
 _DTYPES = {
@@ -119,8 +119,8 @@ def available_memory_bytes() -> int | None:
 
 
 def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity, as a container's cpuset limits it)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """How many cores this process may run on (its CPU affinity, as a container's cpuset limits it)."""
+    return len(allowed_cores())
 
 
 class EngineConfig(BaseModel):
@@ -148,6 +148,9 @@ class EngineConfig(BaseModel):
     kernel_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     # torch threads per rank on CPU; None: the cores this process may run on, shared by the ranks
     cpu_threads: int | None = Field(None, ge=1)
+    # the cores each rank's CPU threads are bound to: lists of cores, or unbound: none, or auto, which
+    # `shardserve serve` resolves for the machine it starts Ray on (engine/cpu_binding.py)
+    cpu_threads_bind: str = "auto"
     watermark: float = Field(0.01, ge=0, lt=1)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
@@ -162,17 +165,34 @@ class EngineConfig(BaseModel):
     def _check_limits(self) -> EngineConfig:
         if self.tensor_parallel_size not in (1, 2, 4, 8):
             raise ValueError(f"tensor_parallel_size must be 1, 2, 4 or 8, got {self.tensor_parallel_size}")
+        check_setting(self.cpu_threads_bind, self.tensor_parallel_size)
+        lists = rank_lists(self.cpu_threads_bind)
+        if self.cpu_threads is not None and lists is not None:
+            if {len(cores) for cores in lists} != {self.cpu_threads}:
+                raise ValueError(f"cpu_threads {self.cpu_threads} and cpu_threads_bind {self.cpu_threads_bind!r} "
+                                 "disagree: a bound rank runs one thread per core of its list (set one of them)")
         if self.num_kv_blocks is not None and self.kv_cache_memory_gb is not None:
             raise ValueError("set at most one of num_kv_blocks and kv_cache_memory_gb")
         return self
 
-    def resolved_cpu_threads(self) -> int:
+    def resolved_cpu_threads(self, rank: int = 0) -> int:
         """torch threads for one rank's CPU ops. Set explicitly, never inherited: Ray sets an actor's
         OMP_NUM_THREADS to its logical CPUs (1 per rank by default), which left a served replica
-        running on one of two cores."""
+        running on one of two cores. A bound rank runs one thread per core of its list."""
         if self.cpu_threads:
             return self.cpu_threads
+        cores = self.rank_cpu_cores(rank)
+        if cores:
+            return len(cores)
         return max(1, available_cores() // self.tensor_parallel_size)
+
+    def rank_cpu_cores(self, rank: int = 0) -> list[int] | None:
+        """The cores rank `rank`'s CPU threads are bound to: its list, or None (unbound: "none", "auto", which
+        only `shardserve serve` resolves into lists, or a GPU)."""
+        lists = rank_lists(self.cpu_threads_bind)
+        if lists is None or self.resolved_device().type != "cpu":
+            return None
+        return lists[rank]
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

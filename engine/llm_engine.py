@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 from engine.config import EngineConfig, SamplingParams, available_cores
+from engine.cpu_binding import allowed_cores, rank_lists, unbind_current_thread
 from engine.detokenizer import Detokenizer
 from engine.errors import InvalidRequestError
 from engine.executor import Executor, make_executor
@@ -40,6 +41,9 @@ def overlaps_bitmask_fill(config: EngineConfig) -> bool:
     the fill overlapped, and ran at 1.00-1.04x filled before the pass (docs/BENCHMARKS.md, "Structured outputs")."""
     if config.resolved_device().type != "cpu":
         return True
+    lists = rank_lists(config.cpu_threads_bind)
+    if lists is not None:  # bound ranks: a core of this process's that no rank computes on
+        return bool(allowed_cores() - {core for cores in lists for core in cores})
     return available_cores() > config.resolved_cpu_threads() * config.tensor_parallel_size
 
 
@@ -82,7 +86,8 @@ class LLMEngine:
         # structured outputs: constraints compiled for this tokenizer (engine/structured_output/), and, where a
         # core is free for it, the thread that fills a step's grammar bitmask while the forward pass runs
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, tuple(eos))
-        self._bitmask_filler = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-bitmask")
+        self._bitmask_filler = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-bitmask",
+                                                   initializer=unbind_current_thread)
                                 if overlaps_bitmask_fill(config) else None)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0

@@ -20,6 +20,7 @@ from engine.sampler import SampledToken, SamplingBatch, sample
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.warmup import warm_up_attention, warm_up_sampling
 from kernels.backend import get_backend
+from kernels.cpu_threads import bind_threads
 from parallel.comm import min_over_ranks
 from parallel.layers import pack_linear_weights, weight_bytes
 from parallel.state import ParallelContext
@@ -197,7 +198,8 @@ class ModelRunner:
         self.model_config = model_config
         self.parallel = parallel or ParallelContext()
         self.device = config.resolved_device()
-        self.cpu_threads = config.resolved_cpu_threads()
+        self.cpu_cores = config.rank_cpu_cores(self.parallel.rank)  # None: unbound
+        self.cpu_threads = config.resolved_cpu_threads(self.parallel.rank)
         self._threads_set_on: int | None = None  # the OS thread whose torch thread count is set
         self._use_cpu_threads()
         if self.device.type == "cuda" and self.device.index is None:
@@ -310,6 +312,8 @@ class ModelRunner:
         whichever thread runs the steps (the async engine's loop thread), once."""
         if self.device.type == "cpu" and self._threads_set_on != threading.get_ident():
             torch.set_num_threads(self.cpu_threads)
+            if self.cpu_cores:
+                bind_threads(self.cpu_cores)
             self._threads_set_on = threading.get_ident()
 
     def execute_model(self, step: StepInput, sampling: SamplingBatch | None = None) -> list[SampledToken] | None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.cpu_binding import unbind_current_thread
+
 
 @dataclass
 class SwapOutJob:
@@ -67,7 +69,8 @@ class KVSwapper:
             for cache in kv_caches
         ]
         self.in_flight: dict[int, SwapOutJob] = {}
-        self.copy_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-swap-out") if device.type != "cuda" else None
+        self.copy_thread = ThreadPoolExecutor(
+            1, thread_name_prefix="kv-swap-out", initializer=unbind_current_thread) if device.type != "cuda" else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # tests: runs on the copy thread before each CPU swap-out, e.g. to hold it until released
         self.swap_out_hook: Callable[[], None] | None = None

@@ -31,7 +31,7 @@ logger = logging.getLogger("shardserve.kernels")
 
 SOURCES = [
     Path(__file__).parent / "cpu" / name
-    for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "bitmask.cpp", "linear.cpp")
+    for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "bitmask.cpp", "linear.cpp", "threads.cpp")
 ]
 # one build per checkout: its folder's path, hashed, in the name
 EXTENSION_NAME = "shardserve_cpu_kernels_" + hashlib.sha256(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:12]

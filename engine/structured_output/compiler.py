@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from engine.config import StructuredOutputsParams
+from engine.cpu_binding import unbind_current_thread
 from engine.errors import InvalidRequestError
 
 logger = logging.getLogger("shardserve.engine")
@@ -48,7 +49,8 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-grammar")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-grammar",
+                                        initializer=unbind_current_thread)
         self._xgr_compiler = None  # built on the worker thread by the first compile
 
     def submit(self, spec: StructuredOutputsParams) -> Future:

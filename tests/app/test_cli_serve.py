@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from app.cli import _is_loopback
+from engine.cpu_binding import format_core_list
 from tests.app.conftest import free_port
 from tests.app.test_serve_scaling import _listening_sockets_of_process_tree, _process_tree
 
@@ -121,15 +122,47 @@ def stop_idle_server(server: subprocess.Popen, log: Path, deliver, what: str) ->
     assert_every_process_exits(tree)
 
 
+def thread_cores(pid: int) -> dict[str, str]:
+    """Each thread's name and the cores it may run on (Cpus_allowed_list), of process pid."""
+    threads = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        except OSError:  # a thread that ended meanwhile
+            continue
+        threads[f"{status['Name'].strip()}/{task.name}"] = status["Cpus_allowed_list"].strip()
+    return threads
+
+
+def assert_ray_runs_off_the_compute_core(tree: list[int], control: str, compute: str) -> None:
+    """With --cpu-threads-bind leaving a core out, every thread of Ray's processes runs there, but the engine's
+    step thread, which runs on the bound core (app/cpu_placement.py)."""
+    titles = {pid: " ".join(still_running([pid])) for pid in tree}
+    ray_processes = [pid for pid, title in titles.items() if "gcs_server" in title or "raylet" in title
+                     or "ray::" in title]
+    assert len(ray_processes) >= 4, titles  # the GCS, the raylet, Serve's controller and the replica at least
+    for pid in ray_processes:
+        cores = thread_cores(pid)
+        if "ServeReplica" in titles[pid]:
+            bound = [name for name, c in cores.items() if c == compute]
+            assert len(bound) == 1, cores  # the engine's step thread, its OpenMP team of one
+            del cores[bound[0]]
+        assert set(cores.values()) == {control}, (titles[pid], cores)
+
+
 @pytest.mark.slow
-def test_serve_command_binds_loopback_serves_and_stops_on_sigterm(tiny_llama_dir, tmp_path):
+def test_serve_command_binds_loopback_and_its_cores_serves_and_stops_on_sigterm(tiny_llama_dir, tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
-    server = start_server(tiny_llama_dir, port, log, "--max-model-len", "256")
+    *others, last = sorted(os.sched_getaffinity(0))
+    control = format_core_list(others)  # on a 2-core machine: core 0 for Ray, 1 for the engine
+    server = start_server(tiny_llama_dir, port, log, "--max-model-len", "256", "--cpu-threads-bind", str(last))
     try:
         wait_until_healthy(server, port, log)
         r = complete(port)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert f"Ray and Serve run on core(s) {control}; the engine's threads on {last}" in log.read_text()
+        assert_ray_runs_off_the_compute_core(_process_tree(server.pid), control, str(last))
         sockets = _listening_sockets_of_process_tree(server.pid)
         assert any(p == port for _, _, p in sockets)
         assert {addr for _, addr, _ in sockets} == {"127.0.0.1"}, sockets

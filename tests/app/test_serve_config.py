@@ -46,6 +46,13 @@ def test_cli_flags_use_vllm_spelling():
         cli_args("--dtype", "float64")
 
 
+def test_a_flag_value_the_settings_refuse_is_named_with_the_reason_not_a_traceback():
+    with pytest.raises(SystemExit, match="^shardserve serve: cpu_threads_bind '3-1': the range '3-1' runs backwards$"):
+        cli_args("--cpu-threads-bind", "3-1")
+    with pytest.raises(SystemExit, match="^shardserve serve: --max-num-seqs: Input should be greater than or equal to 1$"):
+        cli_args("--max-num-seqs", "0")
+
+
 def test_the_model_may_come_first_as_vllm_serve_takes_it():
     assert cli_args("/models/x", "--port", "9000").model == "/models/x"
     assert cli_args("--port", "9000", "/models/x").model == "/models/x"
@@ -61,7 +68,8 @@ def test_serve_args_refuse_a_block_size_the_engine_refuses(block_size):
         EngineConfig(model="m", block_size=block_size)
     with pytest.raises(ValidationError, match="block_size|less than or equal to 256"):
         ServeArgs(block_size=block_size)
-    with pytest.raises(ValidationError):
+    with pytest.raises(SystemExit, match="^shardserve serve: (--block-size: )?block_size must be a power of two"
+                                         "|^shardserve serve: --block-size: Input should be less than or equal to 256"):
         cli_args("--block-size", str(block_size))
     assert ServeArgs(block_size=32).engine_config("m").block_size == 32
 
@@ -188,7 +196,7 @@ def test_sampling_defaults_are_the_models_generation_config_with_the_flags_on_to
     assert overridden == {**DEMO_GENERATION_CONFIG, "temperature": 0.3}  # merged, as vLLM merges
     assert default_sampling(cli_args("--generation-config", "vllm")) == {}  # neutral: temperature 1
     assert default_sampling(cli_args("--model", "/models/x")) == {}  # no generation_config.json there
-    with pytest.raises(ValueError, match="override_generation_config"):
+    with pytest.raises(SystemExit, match="--override-generation-config 'temprature': Input should be 'temperature'"):
         cli_args("--override-generation-config", '{"temprature": 0.3}')
 
 

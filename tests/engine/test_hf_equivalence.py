@@ -1,5 +1,6 @@
 """Greedy output equals transformers' token for token, whatever the batching, chunking or preemption."""
 
+import os
 import random
 
 import pytest
@@ -7,9 +8,11 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.cpu_binding import allowed_cores
 from engine.llm_engine import LLMEngine
 from kernels import cpu_native
 from kernels.backend import engine_cpu_backend
+from tests.engine.test_cpu_binding import on_a_thread_of_its_own
 
 MAX_NEW = 12
 
@@ -69,6 +72,23 @@ def test_sixteen_prompts_of_lengths_1_to_300_submitted_together(
         assert backend is engine_cpu_backend(NATIVE_BUILDS[kernel_backend])
     else:
         assert backend.name == kernel_backend
+    assert got == expected
+
+
+def test_threads_bound_to_cores_equal_transformers(tiny_llama_dir, hf_greedy, prompts16):
+    """cpu_threads_bind: one torch thread on each core, in the list's order (engine/cpu_binding.py)."""
+    expected = hf_greedy(tiny_llama_dir, prompts16, MAX_NEW, ignore_eos=True)
+    cores = sorted(allowed_cores(), reverse=True)
+
+    def generate_bound():
+        llm, got = run_llm(tiny_llama_dir, prompts16, cpu_threads_bind=",".join(map(str, cores)))
+        try:
+            return got, os.sched_getaffinity(0), llm.engine.executor.runner.cpu_threads
+        finally:
+            llm.shutdown()
+
+    got, step_thread_cores, threads = on_a_thread_of_its_own(generate_bound)
+    assert (step_thread_cores, threads) == ({cores[0]}, len(cores))
     assert got == expected
 
 

@@ -3,13 +3,18 @@ each rank holds 1/tp of the weights and KV cache plus what must be replicated.""
 
 from __future__ import annotations
 
+import os
 import random
+from pathlib import Path
 
 import pytest
+import ray
 
 from engine.config import SamplingParams
+from engine.cpu_binding import allowed_cores
 from engine.llm_engine import LLM
 from engine.models import model_class_for
+from tests.engine.test_cpu_binding import on_a_thread_of_its_own
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -173,3 +178,35 @@ def test_speculative_greedy_at_tp2_equals_transformers(tiny_llama_looping_dir, h
         llm.engine.scheduler.block_manager.check_all_free()
     finally:
         llm.shutdown()
+
+
+def thread_affinities(pid: int) -> list[str]:
+    """Each thread's Cpus_allowed_list of process pid."""
+    lists = []
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        for line in status.read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                lists.append(line.split()[1])
+    return lists
+
+
+def test_tp2_ranks_bound_to_a_core_each_equal_transformers(tiny_llama_dir, hf_greedy):
+    """cpu_threads_bind "1|0": rank 0's step thread on core 1, rank 1's (in its Ray worker) on core 0."""
+    first, second = sorted(allowed_cores())[:2]
+    prompts = prompts_for(512)
+    expected = hf_greedy(tiny_llama_dir, prompts, MAX_TOKENS, ignore_eos=True)
+
+    def generate_bound():  # rank 0 steps on this thread, not the test process's main one
+        llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, cpu_threads_bind=f"{second}|{first}", **ROOMY)
+        try:
+            got = greedy(llm, prompts)
+            [worker] = llm.engine.executor.workers
+            worker_pid = ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))
+            return got, os.sched_getaffinity(0), thread_affinities(worker_pid)
+        finally:
+            llm.shutdown()
+
+    got, rank0_step_thread, rank1_threads = on_a_thread_of_its_own(generate_bound)
+    assert rank0_step_thread == {second}
+    assert str(first) in rank1_threads, rank1_threads  # its step thread; Ray's own threads keep every core
+    assert got == expected
