@@ -55,8 +55,16 @@ class LLMEngine:
         self.config = config
         self.model_config = load_model_config(config.model)
         self.max_model_len = config.resolve(self.model_config)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.executor: Executor = make_executor(config, self.model_config, self.max_model_len)
+        # the tokenizer (transformers' import, ~2 s on 2 cores) loads while the executor starts its ranks and loads
+        # the weights: a replacement replica serves that much sooner (docs/BENCHMARKS.md, "Recovery")
+        with ThreadPoolExecutor(1, thread_name_prefix="shardserve-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, config.tokenizer or config.model)
+            self.executor: Executor = make_executor(config, self.model_config, self.max_model_len)
+            try:
+                self.tokenizer = tokenizer.result()
+            except BaseException:
+                self.executor.shutdown()  # a tensor-parallel executor holds worker actors and a placement group
+                raise
         num_blocks = self.executor.num_blocks
         if num_blocks * config.block_size < self.max_model_len:
             self.executor.shutdown()  # a tensor-parallel executor holds worker actors and a placement group

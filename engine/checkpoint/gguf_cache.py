@@ -43,6 +43,7 @@ from engine.checkpoint.gguf import (
     model_config_fields,
     open_gguf,
 )
+from engine.checkpoint.tokenizer_files import pretrained_tokenizer
 from engine.config import ModelConfig
 from parallel.layers import CheckpointTensor
 
@@ -105,12 +106,10 @@ def _read_config_fields(cached: Path) -> dict:
 
 def unpacked_tokenizer(file: str | Path):
     """A GGUF file's tokenizer: from the cache, else converted by transformers (then cached)."""
-    from transformers import AutoTokenizer
-
     cached = unpacked_dir(file) / "tokenizer"
     if (cached / "tokenizer.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+            return pretrained_tokenizer(cached)
         except Exception as e:
             logger.warning("ignoring the unreadable cached tokenizer %s (%s): reading %s", cached, e, file)
     tokenizer = build_gguf_tokenizer(file)

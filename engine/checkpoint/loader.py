@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from engine.checkpoint.gguf import find_gguf_file
 from engine.checkpoint.gguf_cache import unpacked_tensors, unpacked_tokenizer
+from engine.checkpoint.tokenizer_files import pretrained_tokenizer
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.models import CausalLM, model_class_for
@@ -127,14 +128,12 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 def load_tokenizer(model_dir: str | Path):
     """The directory's Hugging Face tokenizer, or the one a GGUF file describes; local files only."""
-    from transformers import AutoTokenizer
-
     if (gguf_file := find_gguf_file(model_dir)) is not None:
         return unpacked_tokenizer(gguf_file)
     path = Path(model_dir)
     if not path.is_dir():
         raise ModelLoadError(f"tokenizer directory {str(path)!r} does not exist")
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return pretrained_tokenizer(path)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {str(path)!r}: {e}") from e

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 import engine.checkpoint.loader
 from engine.checkpoint.loader import load_model, load_tokenizer
 from engine.checkpoint.model_config import load_model_config
+from engine.checkpoint.tokenizer_files import pretrained_tokenizer
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from kernels.backend import get_backend
@@ -199,3 +200,34 @@ def test_tp2_rank_load_reads_only_its_shard_of_every_sharded_tensor(tiny_llama_d
 def test_load_tokenizer_from_a_missing_directory_is_a_model_load_error(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_tokenizer(tmp_path / "nowhere")
+
+
+def tokenizer_behaviour(tokenizer) -> tuple:
+    """What a served request sees of a tokenizer: its ids, text, special tokens and rendered chat."""
+    texts = ["Hello world", "  spaces\tand\nlines ", "émoji 🙂 and 中文", "<|im_start|>user</s>"]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ids = [tokenizer.encode(text) for text in texts]
+    return (type(tokenizer).__name__, ids, [tokenizer.decode(i) for i in ids],
+            tokenizer.special_tokens_map, tokenizer.eos_token_id, tokenizer.bos_token_id, len(tokenizer),
+            tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+
+
+@pytest.mark.parametrize("fixture, shortcut", [("tiny_llama_dir", True), ("tiny_qwen2_dir", False),
+                                               ("tiny_qwen3_dir", False), ("smollm2_gguf", True)])
+def test_a_tokenizer_is_the_one_autotokenizer_gives_without_autotokenizer_where_it_would_pick_the_generic_class(
+        fixture, shortcut, request, monkeypatch):
+    # the Qwen models' tokenizer_config.json says TokenizersBackend, and AutoTokenizer gives them Qwen2Tokenizer
+    from transformers import AutoTokenizer
+
+    from engine.checkpoint.gguf_cache import unpacked_dir
+
+    path = request.getfixturevalue(fixture)
+    if fixture == "smollm2_gguf":  # the GGUF cache's tokenizer folder, written on the first load
+        load_tokenizer(path)
+        path = unpacked_dir(path) / "tokenizer"
+    expected = tokenizer_behaviour(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+    calls = []
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    assert tokenizer_behaviour(pretrained_tokenizer(path)) == expected
+    assert calls == ([] if shortcut else [(str(path),)])
