@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +27,8 @@ from app.api import StreamBatching, build_api, engine_stats_dict
 from app.autoscaling import QUEUE_DEPTH_METRIC, autoscaling_config
 from app.config import ServeArgs
 from app.direct_ingress import reuse_the_port_of_a_dead_replica
-from app.drain import POLL_S, DrainGate, DrainState, ReplicaDrain
+from app.drain import DrainGate, DrainState, ReplicaDrain
+from app.engine_recovery import EngineRecovery
 from app.errors import RETRY_AFTER_S
 from app.forwarding import ForwardedRequest, answer_forwarded
 from app.model_defaults import default_sampling, use_chat_template
@@ -50,8 +50,6 @@ RAY_METRICS_INTERVAL_S = 5.0  # how often a replica copies its Prometheus metric
 # how often Serve's own drain of a stopping replica counts its ongoing requests (Serve's default, 2 s, is also
 # the least time an idle replica takes to stop)
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
-# after the engine died, how long open requests get to write their error event before the replica exits
-DEAD_ENGINE_EXIT_GRACE_S = 2.0
 INGRESS_CPUS = 0.1
 # Serve's own threads in the ingress: its code, its handle's router and Serve's replica loop on one event loop,
 # as Serve's throughput-optimized mode runs them (without that mode's direct HTTP ingress), instead of three
@@ -177,8 +175,10 @@ class LLMServer:
         # `drain` is None)
         self.drain_state = DrainState()
         # deltas reach the event loop as often as a stream may write (stream batching), not after every step
+        # an engine that dies is rebuilt in this process, or the process exits (app/engine_recovery.py)
+        self.recovery = EngineRecovery(self.drain_state)
         self.engine = AsyncLLMEngine(self.args.engine_config(model_dir),
-                                     on_dead=lambda reason: exit_replica_after_dead_engine(self.drain_state, reason),
+                                     on_dead=lambda reason: self.recovery.engine_died(self.engine, reason),
                                      delivery_interval_s=self.args.stream_interval_ms / 1000)
         self.drain = ReplicaDrain.attach(_app_name(), _replica_id(), self.drain_state, self.engine.abort_all)
         # tracing and /metrics: one TracerProvider and one Prometheus registry per replica (app/observability/)
@@ -217,8 +217,9 @@ class LLMServer:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def check_health(self) -> None:
-        """Serve's health check: fails from the moment the engine dies, so Serve replaces this replica."""
-        if not self.engine.is_running:
+        """Serve's health check: fails while the engine is dead and not being rebuilt, so Serve replaces this
+        replica (which exits by itself where it does not rebuild: app/engine_recovery.py)."""
+        if not self.engine.is_running and not self.recovery.rebuilding():
             raise RuntimeError(f"the engine is not running: {self.engine.dead_reason}")
 
     def __del__(self):
@@ -231,20 +232,6 @@ class LLMServer:
         observability = getattr(self, "observability", None)
         if observability is not None:
             observability.shutdown()
-
-
-def exit_replica_after_dead_engine(state: DrainState, reason: str,
-                                   grace_s: float = DEAD_ENGINE_EXIT_GRACE_S) -> None:
-    """The engine died (its loop thread runs this after every stream got its error event): a replica without
-    an engine serves nothing, so its process exits, and Serve, which notices a dead replica at once, starts a
-    new one then rather than after three failed health checks (as vLLM's server exits when its engine dies).
-    Requests still open (their error events on the way out) get up to `grace_s` to end first."""
-    deadline = time.monotonic() + grace_s
-    while state.in_flight and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-    logger.error("the engine died (%s): this replica exits so that Serve replaces it now", reason)
-    logging.shutdown()
-    os._exit(1)
 
 
 # Serve allows one ASGI app per application: the replicas' own is Serve's HTTP entry only without the ingress

@@ -240,18 +240,57 @@ class _EngineLoop:
             stream.put(output)
 
 
+class _LoopSlot:
+    """The engine loop an AsyncLLMEngine runs now: `restart` puts a new one in place of one that died."""
+
+    def __init__(self, engine_loop: _EngineLoop):
+        self.engine_loop = engine_loop
+        self.lock = threading.Lock()  # a restart and a shutdown, one at a time
+        self.shut_down = False
+
+    def stop(self) -> None:
+        with self.lock:
+            self.shut_down = True
+            engine_loop = self.engine_loop
+        engine_loop.stop()
+
+
 class AsyncLLMEngine:
     """The engine for serving: requests in as `generate` streams, from any event loop."""
 
     def __init__(self, config: EngineConfig, on_dead: Callable[[str], None] | None = None,
                  delivery_interval_s: float = 0.0):
         """`on_dead(reason)` runs on the loop thread when a failure (not a shutdown) has ended the loop, after
-        every open stream got its error and the engine was released. `delivery_interval_s`: a stream gets its
-        deltas at most this often, several at once, except its first and its last (0: after every step); a
-        server whose streams write at most that often (app/api.py StreamBatching) loses nothing by it."""
-        self._engine_loop = _EngineLoop(config, on_dead, delivery_interval_s)
+        every open stream got its error and the engine was released (it may `restart` the engine).
+        `delivery_interval_s`: a stream gets its deltas at most this often, several at once, except its first and
+        its last (0: after every step); a server whose streams write at most that often (app/api.py
+        StreamBatching) loses nothing by it."""
+        self._config = config
+        self._on_dead = on_dead
+        self._delivery_interval_s = delivery_interval_s
+        self._slot = _LoopSlot(_EngineLoop(config, on_dead, delivery_interval_s))
         # registered after the build, so at exit it runs before the executor's own finalizer
-        self._stop = weakref.finalize(self, self._engine_loop.stop)
+        self._stop = weakref.finalize(self, self._slot.stop)
+
+    @property
+    def _engine_loop(self) -> _EngineLoop:
+        return self._slot.engine_loop
+
+    def restart(self) -> None:
+        """Build a new engine, from the same config on a new loop thread, in place of one that a failure ended
+        (app/deployment.py rebuilds a replica's engine this way); raises what the build raises. Until it is
+        built, requests are refused as by the dead engine; streams of the dead one have had their error."""
+        dead = self._slot.engine_loop
+        if dead.error is None:
+            raise RuntimeError("only an engine that a failure ended restarts")
+        engine_loop = _EngineLoop(self._config, self._on_dead, self._delivery_interval_s)
+        with self._slot.lock:
+            shut_down = self._slot.shut_down
+            if not shut_down:
+                self._slot.engine_loop = engine_loop
+        if shut_down:  # shut down while it was being built: it goes too
+            engine_loop.stop()
+            raise EngineDeadError("the engine was shut down while it was rebuilt")
 
     @property
     def engine(self) -> LLMEngine:

@@ -56,7 +56,7 @@ class LLMEngine:
         self.model_config = load_model_config(config.model)
         self.max_model_len = config.resolve(self.model_config)
         # the tokenizer (transformers' import, ~2 s on 2 cores) loads while the executor starts its ranks and loads
-        # the weights: a replacement replica serves that much sooner (docs/BENCHMARKS.md, "Recovery")
+        # the weights: a rebuilt engine serves that much sooner (docs/OPERATIONS.md, "Failures and recovery")
         with ThreadPoolExecutor(1, thread_name_prefix="shardserve-tokenizer") as pool:
             tokenizer = pool.submit(load_tokenizer, config.tokenizer or config.model)
             self.executor: Executor = make_executor(config, self.model_config, self.max_model_len)

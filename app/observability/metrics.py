@@ -67,6 +67,7 @@ class EngineCollector(Collector):
         self._step_sum = 0
         self._step_count = 0
         self._steps_seen = 0
+        self._steps_source = None  # the engine's list of recent steps that _steps_seen counts in
         self._lock = threading.Lock()  # /metrics and the Ray mirror thread may collect at once
 
     def describe(self):
@@ -120,7 +121,10 @@ class EngineCollector(Collector):
         return family
 
     def _iteration_tokens(self) -> HistogramMetricFamily:
-        recent = list(getattr(self.engine, "recent_steps", ()))  # (step number, tokens), oldest first, bounded
+        steps = getattr(self.engine, "recent_steps", ())  # (step number, tokens), oldest first, bounded
+        if steps is not self._steps_source:  # a rebuilt engine (app/engine_recovery.py) numbers its steps anew
+            self._steps_source, self._steps_seen = steps, 0
+        recent = list(steps)
         for step, num_tokens in recent:
             if step <= self._steps_seen:
                 continue

@@ -1,7 +1,7 @@
 """A tokenizer directory read by transformers, without AutoTokenizer where AutoTokenizer would pick the generic fast
 tokenizer anyway: its first use imports transformers' whole model registry and the model's configuration module,
-about 7 s of a replica's start on the 2-core AVX2 EPYC (docs/BENCHMARKS.md, "Recovery: where a replacement
-replica's start goes"), against about 1.5 s for the generic class alone.
+about 7 s of a replica's start on the 2-core AVX2 EPYC (docs/OPERATIONS.md,
+"Failures and recovery"), against about 1.5 s for the generic class alone.
 
 AutoTokenizer takes the class tokenizer_config.json names, except for model types it knows better (it gives a
 Qwen2 checkpoint Qwen2Tokenizer whatever the file says): so the shortcut is taken only for a generic class name

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable
 
 import httpx
@@ -18,7 +19,7 @@ import pytest
 from app.config import ServeArgs
 from app.deployment import build_replica_app
 from app.observability.replica import ReplicaObservability
-from engine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
+from engine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams, async_engine
 from engine.llm_engine import LLMEngine
 
 MODEL = "tiny"
@@ -130,3 +131,48 @@ async def test_on_dead_hears_of_a_failure_once_and_never_of_a_shutdown(tiny_llam
     shut_down = AsyncLLMEngine(config, on_dead=told.append)
     await asyncio.to_thread(shut_down.shutdown)
     assert len(told) == 1
+
+
+async def test_a_dead_engine_restarts_in_place_behind_the_same_app_and_serves_again(served):
+    engine, client = served
+    dead_steps = engine.recent_steps
+    with pytest.raises(RuntimeError, match="only an engine that a failure ended restarts"):
+        engine.restart()
+    fail_steps_when(engine, lambda e: True)
+    assert_engine_dead_503(await asyncio.wait_for(client.post("/v1/completions", json=completion(4, stream=False)),
+                                                  ANSWER_TIMEOUT_S))
+    dead_thread = engine.loop_thread
+    await asyncio.to_thread(dead_thread.join, ANSWER_TIMEOUT_S)
+
+    await asyncio.to_thread(engine.restart)  # app/engine_recovery.py calls it from the dead loop's on_dead
+
+    assert engine.is_running and engine.loop_thread is not dead_thread and engine.recent_steps is not dead_steps
+    answer = await asyncio.wait_for(client.post("/v1/completions", json=completion(4, stream=False)), ANSWER_TIMEOUT_S)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+    assert (await client.get("/health")).status_code == 200
+    manager = engine.engine.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+async def test_an_engine_shut_down_while_it_is_rebuilt_does_not_come_back(tiny_llama_dir):
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256)
+    engine = AsyncLLMEngine(config)
+    fail_steps_when(engine, lambda e: True)
+    with pytest.raises(EngineDeadError):
+        async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=4), "doomed"):
+            pass
+    await asyncio.to_thread(engine.loop_thread.join, ANSWER_TIMEOUT_S)
+    real_loop = async_engine._EngineLoop
+
+    def shut_down_while_building(*args):  # the shutdown lands while the new engine is being built
+        engine.shutdown()
+        return real_loop(*args)
+
+    async_engine._EngineLoop = shut_down_while_building
+    try:
+        with pytest.raises(EngineDeadError, match="shut down while it was rebuilt"):
+            await asyncio.to_thread(engine.restart)
+    finally:
+        async_engine._EngineLoop = real_loop
+    assert not engine.is_running
+    assert not any(thread.name == "shardserve-engine-loop" and thread.is_alive() for thread in threading.enumerate())

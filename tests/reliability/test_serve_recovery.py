@@ -1,6 +1,6 @@
 """A replica whose engine or process dies: the client learns at once (never a hang), a replica whose engine
-died exits by itself once its requests have their error (it serves nothing any more), and Serve brings a
-healthy one back.
+died rebuilds it in place, or, where it died again soon after a rebuild, exits by itself once its requests have
+their error (app/engine_recovery.py), and Serve brings a healthy one back.
 
 The tiny model behind the session's Serve cluster (127.0.0.1 only), one application per fault. Faults are
 SIGKILLs of processes this cluster started: a tensor-parallel worker actor, or the replica itself. Recovery
@@ -63,7 +63,7 @@ def assert_503_with_retry_after(response: httpx.Response, code: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_a_tp_worker_killed_mid_stream_fails_the_stream_at_once_and_serve_replaces_the_replica(
+def test_a_tp_worker_killed_mid_stream_fails_the_stream_at_once_and_the_replica_rebuilds_its_engine(
     serve_cluster, tiny_llama_dir, figures
 ):
     from ray import serve
@@ -88,24 +88,34 @@ def test_a_tp_worker_killed_mid_stream_fails_the_stream_at_once_and_serve_replac
         assert (end.error["type"], end.error["code"]) == ("service_unavailable_error", "engine_dead"), end
         assert "worker rank 1 died" in end.error["message"]
         assert_503_with_retry_after(plain_answer, "engine_dead")  # the request in flight without a stream
-        # the replica's process exits by itself (app/deployment.py: exit_replica_after_dead_engine) rather than
-        # waiting for three failed health checks, after which Serve's controller would kill it
+
+        # the same replica process serves again, with a new worker (app/engine_recovery.py: no new replica)
+        record_recovery(base, end, killed_at[0], figures, "rebuilt in place")
+        assert (replica_actor(app)["ActorID"], replica_actor(app)["Pid"]) == (replica["ActorID"], replica["Pid"])
+        [new_worker] = tp_worker_actors(replica)
+        assert new_worker["Pid"] != worker["Pid"]
+
+        # killed again this soon after the rebuild: the replica's process exits by itself rather than waiting for
+        # three failed health checks (after which Serve's controller would kill it), and Serve replaces it
+        os.kill(new_worker["Pid"], signal.SIGKILL)
+        killed_again_at = time.monotonic()
         cause = death_cause_of(replica["ActorID"], PROBE_TIMEOUT_S)
         assert "WORKER_DIED" in cause and "RAY_KILL" not in cause, cause
-
-        # a 200 can only come from a new replica: this one's engine is gone for good
-        record_recovery(base, end, killed_at[0], figures)
+        seconds, answers = seconds_to_first_success(f"{base}/v1/completions", completion_body(SERVED_NAME, 4),
+                                                    killed_again_at, RECOVERY_DEADLINE_S)
+        figures.append(f"killed again: first success {seconds:.1f} s after it, from a new replica "
+                       f"({len(answers)} failed probes before)")
     finally:
         serve.delete(app)
 
 
-def record_recovery(base: str, end, killed_at: float, figures: list[str]) -> None:
+def record_recovery(base: str, end, killed_at: float, figures: list[str], how: str = "from a new replica") -> None:
     """Wait for the first request through `base` that succeeds after the kill; /health is 200 again then."""
     seconds, answers = seconds_to_first_success(f"{base}/v1/completions", completion_body(SERVED_NAME, 4),
                                                 killed_at, RECOVERY_DEADLINE_S)
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
     figures.append(f"stream ended {end.seconds_after_fault:.2f} s after the kill; first success "
-                   f"{seconds:.1f} s after it ({len(answers)} failed probes before)")
+                   f"{seconds:.1f} s after it, {how} ({len(answers)} failed probes before)")
 
 
 @pytest.mark.slow
