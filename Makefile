@@ -44,8 +44,9 @@ stress: install
 # Every figure in docs/BENCHMARKS.md (about 40 minutes on 2 cores, plus about an hour for the side by side
 # with vLLM): offline engine vs HF vs the forward-pass limit, the sampler alone, structured outputs (xgrammar
 # against llguidance, the mask's cost, constrained against free beside vLLM), the serving load test
-# (shardserve bench), the serving path's overhead, TP step times, prefix caching and swap, routing across replicas
-# (the ingress's hop, prefix routing against Serve's default; ~55 minutes here), tracing
+# (shardserve bench), the serving path's overhead, threads bound to cores against unbound (two servers loaded
+# in turn, ~25 minutes), TP step times, prefix caching and swap, routing across replicas (the ingress's hop,
+# prefix routing against Serve's default; ~55 minutes here), tracing
 # overhead, and vLLM's CPU build beside shardserve (scripts/setup_peer.sh installs it once, ~3 minutes).
 # Each step rewrites its own block of the doc.
 bench: install
@@ -55,6 +56,7 @@ bench: install
 	$(PY) -m scripts.bench_structured_output --vllm-python "$$(bash scripts/setup_peer.sh)" --write-doc
 	bash scripts/run_bench.sh
 	$(PY) -m scripts.bench_serve_overhead --write-doc
+	$(PY) -m scripts.bench_served_ab --a "--cpu-threads-bind none" --b "--cpu-threads-bind 0-$$(( $$(nproc) - 1 ))" --write-doc
 	$(PY) -m scripts.bench_tp
 	$(PY) -m scripts.bench_prefix --write-doc
 	$(PY) -m scripts.bench_routing --write-doc

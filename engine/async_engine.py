@@ -25,6 +25,7 @@ alive, so a worker that dies between requests marks the engine dead without wait
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -283,6 +284,7 @@ class AsyncLLMEngine:
         dead = self._slot.engine_loop
         if dead.error is None:
             raise RuntimeError("only an engine that a failure ended restarts")
+        gc.collect()  # the dead engine's runner (weights, KV cache) went with its shutdown: its memory goes first
         engine_loop = _EngineLoop(self._config, self._on_dead, self._delivery_interval_s)
         with self._slot.lock:
             shut_down = self._slot.shut_down

@@ -7,7 +7,8 @@ alike; the ratio per round is the figure (part of `make bench`: --cpu-threads-bi
 
 Each load: --prompts prompts of --prompt-tokens random token ids -> 128 tokens at --concurrency, streamed, sampled
 at temperature 1.0 (generated tok/s). The idle server's processes stay up during the other's load (both conditions
-have them). --write-doc appends the table to docs/BENCHMARKS.md's block of this comparison (one block per --label).
+have them). --write-doc writes the table into docs/BENCHMARKS.md's block of this comparison (one block per --label), under
+"Two server settings side by side".
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             f"--{name.replace('_', '-')} {shlex.quote(value)}" for name, value in
             (("a", args.a), ("b", args.b), ("a_env", args.a_env), ("b_env", args.b_env)) if value)
         rewrite_block(f"<!-- served-ab:{label}:begin -->", f"<!-- served-ab:{label}:end -->",
-                      f"{table}\n\nCommand: `{command}`", "CPU threads and Ray's worker niceness")
+                      f"{table}\n\nCommand: `{command}`", "Two server settings side by side")
 
 
 if __name__ == "__main__":
