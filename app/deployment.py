@@ -178,8 +178,9 @@ class LLMServer:
         # an engine that dies is rebuilt in this process, or the process exits (app/engine_recovery.py)
         self.recovery = EngineRecovery(self.drain_state)
         self.engine = AsyncLLMEngine(self.args.engine_config(model_dir),
-                                     on_dead=lambda reason: self.recovery.engine_died(self.engine, reason),
+                                     on_dead=self.recovery.engine_died,
                                      delivery_interval_s=self.args.stream_interval_ms / 1000)
+        self.recovery.attach(self.engine)
         self.drain = ReplicaDrain.attach(_app_name(), _replica_id(), self.drain_state, self.engine.abort_all)
         # tracing and /metrics: one TracerProvider and one Prometheus registry per replica (app/observability/)
         self.observability = ReplicaObservability(self.engine, served_model_name(self.args), _replica_id(),

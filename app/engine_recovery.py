@@ -41,6 +41,7 @@ class EngineRecovery:
 
     def __init__(self, drain_state: DrainState, exit_process: Callable[[DrainState, str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
+        self.engine: AsyncLLMEngine | None = None  # set once built (`attach`); a death before that exits
         self.drain_state = drain_state
         self.exit_process = exit_process or exit_replica_after_dead_engine
         self.clock = clock
@@ -49,16 +50,24 @@ class EngineRecovery:
         self.rebuilds = 0
         self.lock = threading.Lock()
 
-    def engine_died(self, engine: AsyncLLMEngine, reason: str) -> None:
-        """On the dead engine's loop thread: rebuild it in place, or exit the process."""
+    def attach(self, engine: AsyncLLMEngine) -> None:
+        """The engine this replica rebuilds when it dies."""
+        self.engine = engine
+
+    def engine_died(self, reason: str) -> None:
+        """On the dead engine's loop thread (its on_dead): rebuild it in place, or exit the process."""
         now = self.clock()
         with self.lock:
             recent = self.last_rebuild is not None and now - self.last_rebuild < REBUILD_WINDOW_S
-            if recent or self.drain_state.draining:
-                why = "it died again soon after its rebuild" if recent else "the replica is draining"
-                self.exit_process(self.drain_state, f"{reason} ({why})")
-                return
-            self.last_rebuild = self.rebuilding_since = now
+            engine = self.engine
+            exits = recent or self.drain_state.draining or engine is None
+            if not exits:
+                self.last_rebuild = self.rebuilding_since = now
+        if exits:
+            why = ("it died again soon after its rebuild" if recent else
+                   "the replica is draining" if self.drain_state.draining else "before the replica was ready")
+            self.exit_process(self.drain_state, f"{reason} ({why})")
+            return
         logger.error("the engine died (%s): rebuilding it in this replica", reason)
         try:
             engine.restart()

@@ -228,14 +228,29 @@ def test_a_cached_constraint_compiles_once(llm):
     assert again is first and again.done()  # the same schema, keys in another order: the cached grammar
 
 
-def test_the_bitmask_is_filled_beside_the_forward_pass_only_where_a_core_is_free(monkeypatch):
-    from engine.llm_engine import overlaps_bitmask_fill
+@pytest.fixture
+def four_cores(monkeypatch):
+    """This process may run on 4 cores (allowed_cores reads its affinity once: read again, and after the test)."""
+    from engine.cpu_binding import allowed_cores
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    allowed_cores.cache_clear()
+    yield
+    monkeypatch.undo()
+    allowed_cores.cache_clear()
+
+
+def test_the_bitmask_is_filled_beside_the_forward_pass_only_where_a_core_is_free(four_cores):
+    from engine.llm_engine import overlaps_bitmask_fill
+
     assert not overlaps_bitmask_fill(EngineConfig(model="x", device="cpu"))  # every core runs the pass
     assert overlaps_bitmask_fill(EngineConfig(model="x", device="cpu", cpu_threads=3))
     assert not overlaps_bitmask_fill(EngineConfig(model="x", device="cpu", cpu_threads=2, tensor_parallel_size=2))
     assert overlaps_bitmask_fill(EngineConfig(model="x", device="cuda"))  # the host only launches kernels
+    # bound ranks: a core no rank's list has (the control plane's, app/cpu_placement.py)
+    assert overlaps_bitmask_fill(EngineConfig(model="x", device="cpu", cpu_threads_bind="0-2"))
+    assert not overlaps_bitmask_fill(EngineConfig(model="x", device="cpu", cpu_threads_bind="0-1|2-3",
+                                                  tensor_parallel_size=2))
 
 
 # a JSON document with free text in it: the looping model repeats itself inside the strings, where n-gram
