@@ -7,7 +7,8 @@ node of more than 2 cores keeps one), the CLI moves its own threads onto those c
 process Ray starts inherits them (the GCS, the raylet, Serve's controller, the replica and TP worker processes),
 and only the ranks' bound threads leave them, so Ray's wake-ups never preempt a compute thread. Replicas that may
 share a node (more than one) stay unbound under "auto": their lists would overlap. On a cluster it joins, "auto"
-is resolved in the replica, on its own node, and Ray's processes there are placed by whoever started them.
+binds nothing (a pod may see more cores than its CPU quota gives it), and Ray's processes there are placed by
+whoever started them: give lists where a node's cores are the replica's alone.
 """
 
 from __future__ import annotations

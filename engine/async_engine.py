@@ -279,7 +279,7 @@ class AsyncLLMEngine:
 
     def restart(self) -> None:
         """Build a new engine, from the same config on a new loop thread, in place of one that a failure ended
-        (app/deployment.py rebuilds a replica's engine this way); raises what the build raises. Until it is
+        (app/engine_recovery.py rebuilds a replica's engine this way); raises what the build raises. Until it is
         built, requests are refused as by the dead engine; streams of the dead one have had their error."""
         dead = self._slot.engine_loop
         if dead.error is None:

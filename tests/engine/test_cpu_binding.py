@@ -132,3 +132,15 @@ def test_binding_to_a_core_outside_the_cpuset_is_refused_by_name():
         on_a_thread_of_its_own(lambda: bind_threads([1000]))
     with pytest.raises(RuntimeError, match="core 4096 is not a core number"):
         on_a_thread_of_its_own(lambda: bind_threads([4096]))
+
+
+def test_without_the_native_kernels_the_calling_thread_is_kept_to_the_cores(monkeypatch):
+    from kernels import cpu_native
+
+    monkeypatch.setattr(cpu_native, "load", lambda target=None: None)
+    last = max(allowed_cores())
+
+    def bind_and_look():
+        return bind_threads([last]), os.sched_getaffinity(0)
+
+    assert on_a_thread_of_its_own(bind_and_look) == (None, {last})
