@@ -34,6 +34,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import torch
+
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import LLMEngine
@@ -285,6 +287,8 @@ class AsyncLLMEngine:
         if dead.error is None:
             raise RuntimeError("only an engine that a failure ended restarts")
         gc.collect()  # the dead engine's runner (weights, KV cache) went with its shutdown: its memory goes first
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # and on a GPU back to the device, where the new KV cache is sized from what is free
         engine_loop = _EngineLoop(self._config, self._on_dead, self._delivery_interval_s)
         with self._slot.lock:
             shut_down = self._slot.shut_down
