@@ -120,6 +120,7 @@ def paged_prefill_attention_triton(
     scale: float,
     *,
     max_query_len: int | None = None,  # the longest chunk (the host knows it); default: num_tokens, a bound
+    config: tuple[int, int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, num_warps, num_stages); a sweep's
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Each sequence's chunk of queries attends to its cached prefix and causally within the chunk."""
     num_tokens, num_heads, head_dim = query.shape
@@ -134,7 +135,9 @@ def paged_prefill_attention_triton(
     if max_query_len is None:  # reading it from query_start_loc would wait for the device; tiles past a chunk stop at once
         max_query_len = num_tokens
     interpreter = is_interpreter(query.device)
-    block_m, block_n = (16, 32) if interpreter else (64, 64)
+    if config is None:
+        config = (16, 32, 4, 2) if interpreter else (64, 64, 4 if head_dim <= 64 else 8, 2)
+    block_m, block_n, num_warps, num_stages = config
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
@@ -162,7 +165,7 @@ def paged_prefill_attention_triton(
         BLOCK_N=block_n,
         UPCAST=interpreter,
         PRECISION=dot_precision(query.dtype),
-        num_warps=4 if head_dim <= 64 else 8,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

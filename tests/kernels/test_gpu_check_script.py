@@ -114,3 +114,21 @@ def test_every_kernel_compiles_for_hopper_without_spilling(tmp_path):
     assert any("VOCAB=151936" in row[0] for row in rows)
     for name, registers, spills, _ in rows:
         assert 0 < int(registers) <= 255 and spills == "0 / 0", name
+
+
+def test_the_second_gpu_runs_script_rehearses_its_sweep_its_profile_and_the_sampler_kinds(tmp_path):
+    """scripts/gpu_profile.py (the prefill launch settings swept, a decode step profiled, the sampler's kinds
+    timed alone) runs whole here, so the next GPU session only has to run it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script sets it itself
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_profile.py"), "--dry-run", "--iters", "1",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["failures"] == []
+    firsts = [row[0] for row in report["rows"]]
+    for kind in range(4):
+        assert any(f.startswith(f"sample_tokens 2 rows of kind {kind}") for f in firsts), firsts
+    assert any(f.startswith("prefill (BLOCK_M, BLOCK_N, warps, stages) = (16, 32, 4, 2)") for f in firsts), firsts
+    [step] = [row for row in report["rows"] if row[0].startswith("decode step, tiny-shape Llama")]
+    assert float(step[1].split()[0]) > 0
+    assert any(f.startswith("host: aten::") for f in firsts), firsts
