@@ -37,9 +37,10 @@ test: install
 	$(PY) -m pytest -q -ra --durations=15 -m "not stress" -n 2 --dist loadfile
 
 # The long versions of the chaos suite (tests/reliability/): faults repeated, with their figures (recovery
-# times and the like) printed at the end of the run; and tests/cluster/'s multi-node runs (a node lost under load).
+# times and the like) printed at the end of the run; tests/cluster/'s multi-node runs (a node lost under load); and
+# the CLI's stop on SIGTERM to its whole process group.
 stress: install
-	$(PY) -m pytest -q -ra -m stress tests/reliability tests/cluster
+	$(PY) -m pytest -q -ra -m stress tests/reliability tests/cluster tests/app/test_cli_serve.py
 
 # Every figure in docs/BENCHMARKS.md (about 40 minutes on 2 cores, plus about an hour for the side by side
 # with vLLM): offline engine vs HF vs the forward-pass limit, the sampler alone, structured outputs (xgrammar

@@ -19,17 +19,23 @@ from engine.checkpoint.random_model import make_model  # noqa: E402
 
 # The longest test files (a minute or more each on 2 cores), first: `make test`'s two processes take whole files
 # in collection order, so the run does not end on one of these with the other process idle.
-LONGEST_FILES_FIRST = [
-    "tests/app/test_serve_scaling.py",
+LONGEST_FILES_FIRST = [  # by each file's total in `make test --durations` (AVX2 EPYC, 2026-12-04)
     "tests/app/test_cli_serve.py",
-    "tests/parallel/test_tp_lifecycle.py",
-    "tests/reliability/test_load_and_bodies.py",
-    "tests/engine/test_real_model.py",
-    "tests/reliability/test_serve_recovery.py",
+    "tests/ops/test_ops_lint_script.py",  # ~60 s, ~3 minutes on a fresh machine (it creates .venv-ops)
     "tests/parallel/test_tp_exactness.py",
-    "tests/app/test_routing_replicas.py",
-    "tests/cluster/test_node_autoscaling.py",
     "tests/app/test_direct_ingress.py",
+    "tests/app/test_serve_scaling.py",
+    "tests/bench/test_bench_real_server.py",
+    "tests/cluster/test_node_autoscaling.py",
+    "tests/parallel/test_tp_lifecycle.py",
+    "tests/engine/test_gguf_cache.py",
+    "tests/app/test_api_contract.py",
+    "tests/reliability/test_serve_recovery.py",
+    "tests/engine/test_real_model.py",
+    "tests/app/test_serve_openai.py",
+    "tests/reliability/test_load_and_bodies.py",
+    "tests/cluster/test_placement.py",
+    "tests/app/test_routing_replicas.py",
 ]
 
 

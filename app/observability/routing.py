@@ -18,13 +18,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from app.observability.metrics import PREFIX
-from app.routing.stats import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
+from app.routing.stats import KV_CACHE_USAGE, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, QUEUE_DEPTH
 from app.routing.telemetry import RoutingTelemetry
 
 LABELS = ("model_name", "replica")
 COUNTERS = ("routing_decisions", "routing_prompt_blocks", "routing_matched_blocks", "routing_retries",
             "replica_prefix_cache_queries", "replica_prefix_cache_hits")
-GAUGES = ("routing_prefix_blocks",)
+# the load the router compares, as each replica last reported it (app/routing/stats.py)
+GAUGES = ("routing_prefix_blocks", "replica_reported_queue_depth", "replica_reported_kv_cache_usage")
 
 
 def routing_series_names() -> set[str]:
@@ -53,6 +54,12 @@ class RoutingCollector(Collector):
                                "Prompt tokens the replica looked up in its prefix cache (its last report).")
         hits = self._family("replica_prefix_cache_hits",
                             "Prompt tokens the replica found in its prefix cache (its last report).")
+        reported_load = {
+            key: GaugeMetricFamily(PREFIX + name, doc, labels=LABELS) for key, name, doc in (
+                (QUEUE_DEPTH, "replica_reported_queue_depth",
+                 "Sequences waiting and running in the replica's engine, as it last reported to the router."),
+                (KV_CACHE_USAGE, "replica_reported_kv_cache_usage",
+                 "Share of the replica's KV blocks held by live sequences, as it last reported to the router."))}
         for name, replica in sorted(replicas.items()):
             labels = [self.model_name, name]
             for reason, count in sorted(replica.decisions.items()):
@@ -62,12 +69,15 @@ class RoutingCollector(Collector):
             if PREFIX_CACHE_QUERIES in replica.reported:
                 queries.add_metric(labels, replica.reported[PREFIX_CACHE_QUERIES])
                 hits.add_metric(labels, replica.reported.get(PREFIX_CACHE_HITS, 0.0))
+            for key, family in reported_load.items():
+                if key in replica.reported:
+                    family.add_metric(labels, replica.reported[key])
         index = GaugeMetricFamily(PREFIX + "routing_prefix_blocks",
                                   "Prompt blocks the router remembers sending to a replica (its prefix index).",
                                   labels=LABELS)
         for name, blocks in sorted(self.telemetry.prefix_blocks().items()):
             index.add_metric([self.model_name, name], blocks)
-        yield from (decisions, prompt_blocks, matched, queries, hits, index)
+        yield from (decisions, prompt_blocks, matched, queries, hits, index, *reported_load.values())
 
     def _family(self, name: str, doc: str) -> CounterMetricFamily:
         return CounterMetricFamily(PREFIX + name, doc, labels=LABELS)

@@ -175,7 +175,10 @@ def test_serve_command_binds_loopback_and_its_cores_serves_and_stops_on_sigterm(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delivery", ["sigint-to-group", "sigterm-to-group", "sigterm-to-every-process"])
+# SIGTERM to the group is in make stress only: SIGINT to the group (Ctrl-C) and SIGTERM to every process (systemd's
+# control-group stop) between them cover what it does, and each case starts a server of its own (~60 s here).
+@pytest.mark.parametrize("delivery", ["sigint-to-group", pytest.param("sigterm-to-group", marks=pytest.mark.stress),
+                                      "sigterm-to-every-process"])
 def test_an_idle_server_stops_at_once_whoever_else_the_signal_reaches(tiny_llama_dir, tmp_path, delivery):
     # Ray's own processes (GCS, raylet) are in groups of their own: were they in the CLI's, they would die
     # first, and the drain would wait on a cluster that is gone (60 s and more, 9 processes left). Where they

@@ -99,9 +99,21 @@ def test_requests_sharing_a_system_prompt_go_to_one_replica_and_hit_its_prefix_c
     assert completion.choices[0].text == expected[0].outputs[0].text
 
 
+def wait_for_idle_reports(url: str) -> None:
+    """Until both replicas' last reports to the router say their engines are empty: a report is up to a period
+    old (longer when Serve's controller lags on a busy machine), and a stale one outweighs remembered prefixes."""
+    def idle() -> bool:
+        depths = metric(url, "shardserve:replica_reported_queue_depth")
+        usage = metric(url, "shardserve:replica_reported_kv_cache_usage")
+        return len(depths) == 2 and not any(depths.values()) and not any(usage.values())
+
+    poll(idle, 60, "both replicas reporting an empty engine")
+
+
 def test_a_new_prefix_goes_to_the_less_loaded_replica(routed, client):
     _, home, _ = replica_of(routed, lambda: chat(client, SYSTEM_A, "Again?"))
     for question in ("Ahoy?", "Treasure?", "Ship?"):
+        wait_for_idle_reports(routed)  # then the tie between idle replicas goes to the one with fewer prefixes
         _, other, why = replica_of(routed, lambda q=question: chat(client, SYSTEM_B, q))
         # the reason tells a routing decision (least_loaded, prefix_hit) from Serve's fallback (preferred_busy)
         assert other != home, f"{question} went home ({why})"
