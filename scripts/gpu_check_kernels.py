@@ -208,23 +208,31 @@ def time_decode(target: Target, batch: int, ctx: int, iters: int, copy_gbs: floa
         report.row(label, f"{ms:.3f} ms", f"{gbs:.0f} GB/s", f"{gbs / copy_gbs:.0%} of copy")
 
 
-def time_prefill(target: Target, batch: int, seq_len: int, iters: int, report) -> None:
-    """Whole-prompt prefill over the paged cache against SDPA on the same dense causal shapes."""
+def prefill_timing_scenes(target: Target, batch: int, seq_len: int, iters: int) -> tuple[list, int, float]:
+    """Whole prompts of `seq_len` in the paged cache (input sets that rotate out of L2), their attention's
+    flops, and SDPA's milliseconds on the same dense causal shapes: what a prefill kernel is timed against."""
     dtype, dev = target.dtype, target.device
     flops = 2 * batch * HEADS * HEAD_DIM * seq_len * seq_len  # QK^T and PV, 2 flops a MAC, half of it causal
     sets = target.rotations(lambda: paged_scene(batch, seq_len, dtype, dev, seq_len),
                             3 * batch * seq_len * HEADS * HEAD_DIM * dtype.itemsize)
-
-    def paged(query, kv_cache, block_tables, context_lens, query_start_loc):
-        return target.ops.paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, context_lens,
-                                                  HEAD_DIM**-0.5, max_query_len=seq_len)
 
     def sdpa(query, key, value):
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
 
     dense = [tuple(torch.randn(batch, h, seq_len, HEAD_DIM, device=dev, dtype=dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
              for _ in sets]
-    ms, sdpa_ms = target.time_ms(paged, sets, iters), target.time_ms(sdpa, dense, iters)
+    return sets, flops, target.time_ms(sdpa, dense, iters)
+
+
+def time_prefill(target: Target, batch: int, seq_len: int, iters: int, report) -> None:
+    """Whole-prompt prefill over the paged cache against SDPA on the same dense causal shapes."""
+    sets, flops, sdpa_ms = prefill_timing_scenes(target, batch, seq_len, iters)
+
+    def paged(query, kv_cache, block_tables, context_lens, query_start_loc):
+        return target.ops.paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, context_lens,
+                                                  HEAD_DIM**-0.5, max_query_len=seq_len)
+
+    ms = target.time_ms(paged, sets, iters)
     label = f"b{batch}x{seq_len}"
     report.row(f"prefill kernel {label}", f"{ms:.3f} ms", f"{flops / ms / 1e9:.0f} TFLOP/s", f"{ms / sdpa_ms:.2f}x SDPA's time")
     report.row(f"prefill SDPA {label}", f"{sdpa_ms:.3f} ms", f"{flops / sdpa_ms / 1e9:.0f} TFLOP/s", "")

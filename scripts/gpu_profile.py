@@ -29,11 +29,10 @@ from scripts.gpu_check import Report, install_wheels  # noqa: E402
 
 
 def prefill_sweep(target, report, iters: int) -> None:
-    import torch
 
     from kernels import backend as kernel_backend
     from kernels.prefill_attention_triton import paged_prefill_attention_triton
-    from scripts.gpu_check_kernels import HEAD_DIM, HEADS, check_close, paged_scene
+    from scripts.gpu_check_kernels import HEAD_DIM, check_close, paged_scene, prefill_timing_scenes
 
     batch, seq_len = (4, 2048) if target.on_gpu else (1, 64)
     dtype, dev = target.dtype, target.device
@@ -41,13 +40,7 @@ def prefill_sweep(target, report, iters: int) -> None:
     small_f32 = [x.float() if x.is_floating_point() else x for x in small]
     ref = kernel_backend.TORCH.paged_prefill_attention(small_f32[0].cpu(), small_f32[1].cpu(), small[2].cpu(),
                                                        small[4].cpu(), small[3].cpu(), HEAD_DIM**-0.5)
-    sets = target.rotations(lambda: paged_scene(batch, seq_len, dtype, dev, seq_len),
-                            3 * batch * seq_len * HEADS * HEAD_DIM * dtype.itemsize)
-    dense = [tuple(torch.randn(batch, h, seq_len, HEAD_DIM, device=dev, dtype=dtype) for h in (HEADS, 8, 8))
-             for _ in sets]
-    flops = 2 * batch * HEADS * HEAD_DIM * seq_len * seq_len
-    sdpa_ms = target.time_ms(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=True, enable_gqa=True), dense, iters)
+    sets, flops, sdpa_ms = prefill_timing_scenes(target, batch, seq_len, iters)
     report.row(f"prefill SDPA b{batch}x{seq_len}", f"{sdpa_ms:.3f} ms", f"{flops / sdpa_ms / 1e9:.0f} TFLOP/s")
     if target.on_gpu:
         configs = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
@@ -74,14 +67,13 @@ def decode_profile(target, report) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
     from engine.checkpoint.random_model import make_model
+    from scripts.gpu_check_engine import make_llm, release
 
     shape = "bench" if target.on_gpu else "tiny"
     model = make_model("llama", shape, Path(tempfile.mkdtemp(prefix="gpu-profile-")))
-    llm = LLM(str(model), dtype=str(target.dtype).removeprefix("torch."), kernel_backend=target.engine_backend,
-              device=target.device, max_num_batched_tokens=2048, max_model_len=1024, max_num_seqs=64,
-              **({"gpu_memory_utilization": 0.3} if target.on_gpu else {}))
+    llm = make_llm(target, str(model))  # gpu_check's engine settings
     engine = llm.engine
     batch, steps = (32, 40) if target.on_gpu else (4, 4)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 30, ignore_eos=True)
@@ -115,7 +107,7 @@ def decode_profile(target, report) -> None:
         for e in sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:8]:
             report.row(f"device: {e.key[:60]}", f"{e.self_device_time_total / steps / 1e3:.3f} ms a step",
                        f"x{e.count / steps:.1f}")
-    llm.shutdown()
+    release(llm)
 
 
 def sampler_kinds(target, report, iters: int) -> None:
