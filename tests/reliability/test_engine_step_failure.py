@@ -154,7 +154,7 @@ async def test_a_dead_engine_restarts_in_place_behind_the_same_app_and_serves_ag
     assert manager.num_free_blocks == manager.num_blocks
 
 
-async def test_an_engine_shut_down_while_it_is_rebuilt_does_not_come_back(tiny_llama_dir):
+async def test_an_engine_shut_down_while_it_is_rebuilt_does_not_come_back(tiny_llama_dir, monkeypatch):
     config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256)
     engine = AsyncLLMEngine(config)
     fail_steps_when(engine, lambda e: True)
@@ -168,11 +168,8 @@ async def test_an_engine_shut_down_while_it_is_rebuilt_does_not_come_back(tiny_l
         engine.shutdown()
         return real_loop(*args)
 
-    async_engine._EngineLoop = shut_down_while_building
-    try:
-        with pytest.raises(EngineDeadError, match="shut down while it was rebuilt"):
-            await asyncio.to_thread(engine.restart)
-    finally:
-        async_engine._EngineLoop = real_loop
+    monkeypatch.setattr(async_engine, "_EngineLoop", shut_down_while_building)
+    with pytest.raises(EngineDeadError, match="shut down while it was rebuilt"):
+        await asyncio.to_thread(engine.restart)
     assert not engine.is_running
     assert not any(thread.name == "shardserve-engine-loop" and thread.is_alive() for thread in threading.enumerate())
