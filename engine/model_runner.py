@@ -21,6 +21,7 @@ from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.warmup import warm_up_attention, warm_up_sampling
 from kernels.backend import get_backend
 from kernels.cpu_threads import bind_threads
+from kernels.host_memory import reuse_freed_memory
 from parallel.comm import min_over_ranks
 from parallel.layers import pack_linear_weights, weight_bytes
 from parallel.state import ParallelContext
@@ -206,6 +207,8 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())  # the rank's own (its executor set it)
         self.dtype = config.torch_dtype(model_config)
         self.backend = get_backend(config.kernel_backend, self.device.type)
+        if self.device.type == "cpu":
+            reuse_freed_memory()  # activations from the heap, not fresh mmaps (kernels/host_memory.py)
         self.max_model_len = max_model_len or model_config.max_position_embeddings
         # a GPU's cache is sized from a profile unless its size is given; the card is read before the
         # weights load, since the profile counts from there

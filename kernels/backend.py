@@ -199,17 +199,22 @@ def _native_cpu_backend(target: str, reference_bf16_prefill: bool) -> KernelBack
 # Chunks of at most this many queries (speculative verifications, short prompt tails) keep the native kernel even
 # where reference_bf16_prefill_is_faster: its dense row packing makes a 5-query chunk ~3x faster than the
 # reference, which pads and gathers; the two cross between 16 and 32 queries (docs/BENCHMARKS.md, "Speculative
-# decoding (n-gram), offline" and the verification row of "Kernels", Intel Xeon with AMX, 2026-12-03).
+# decoding (n-gram), offline" and the verification row of "Kernels", Intel Xeon with AMX, 2026-12-03). The native
+# build's AMX tile kernel takes longer chunks on its own (kAmxShortestChunk in kernels/cpu/paged_attention.cpp).
 NATIVE_BF16_PREFILL_MAX_QUERY_ON_AMX = 16
 
 
 @functools.cache
 def reference_bf16_prefill_is_faster() -> bool:
-    """On an AMX CPU, torch's own attention (oneDNN's AMX tiles) runs bfloat16 prefill faster than the native
-    flash loop, which multiplies with AVX-512 FMAs: the reference took 0.6-0.7x the native kernel's time on
-    the bench model's shapes (docs/BENCHMARKS.md, the 2026-12-03 headline, Intel Xeon with AMX). Without AMX
-    the native kernel is the faster one (2.5x on the AMD EPYC with avx512_bf16, 2026-11-29, quoted under "Kernels")."""
-    return "amx_bf16" in cpu_native.cpu_flags()
+    """On an AMX CPU whose native build can't use the tiles (the OS refused them), torch's own attention (oneDNN
+    on AMX) runs bfloat16 prefill faster than the native vector loop: 0.6-0.7x its time on the bench model's
+    shapes (docs/BENCHMARKS.md, the 2026-12-03 headline, Intel Xeon with AMX). Where the native build has AMX, its
+    tile kernel is the faster one (2.4x torch's on a 16 x 512-token step, "AMX prefill attention"); without AMX
+    the native vector kernel is (2.5x on the AMD EPYC with avx512_bf16, 2026-11-29, quoted under "Kernels")."""
+    if "amx_bf16" not in cpu_native.cpu_flags():
+        return False
+    native = cpu_native.load()
+    return native is None or not native.prefill_amx_available()
 
 
 @functools.cache

@@ -10,6 +10,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                    const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale);
 bool prefill_supported(int64_t head_dim, int64_t block_size);
+bool prefill_amx_available();
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                  const c10::optional<at::Tensor>& residual);
 at::Tensor silu_and_mul(const at::Tensor& x);
@@ -37,6 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "The vector code this build runs: avx512, avx2 or scalar (plain C++)");
   m.def("paged_decode_attention", &shardserve::paged_decode_attention, "Paged decode attention");
+  m.def("prefill_amx_available", &shardserve::prefill_amx_available,
+        "Whether bfloat16 prefill attention (head_dim 64 or 128) runs on AMX tiles here");
   m.def("paged_prefill_attention", &shardserve::paged_prefill_attention, "Paged prefill attention, causal chunks");
   m.def("prefill_supported", &shardserve::prefill_supported,
         "Whether paged_prefill_attention takes this head_dim and block_size");

@@ -18,10 +18,16 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "common.h"
 
@@ -346,7 +352,8 @@ template <typename T>
 void prefill_attention(
     const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
     const int32_t* query_start_loc, const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
-    int64_t num_kv_heads, int64_t num_blocks, int64_t max_blocks, int64_t dim, float scale) {
+    int64_t num_kv_heads, int64_t num_blocks, int64_t max_blocks, int64_t dim, float scale,
+    int64_t longest_chunk = INT64_MAX) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_stride = num_blocks * kKeys * dim;
   const int64_t rows = group * kQueryTile;
@@ -355,9 +362,11 @@ void prefill_attention(
   std::vector<Task> tasks;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t q_len = query_start_loc[seq + 1] - query_start_loc[seq];
+    if (q_len > longest_chunk) continue;  // the AMX kernel's
     for (int64_t first = 0; first < q_len; first += kQueryTile)
       for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) tasks.push_back({seq, kv_head, first});
   }
+  if (tasks.empty()) return;
   // Later tiles see more keys: deal tasks out round-robin so each thread gets a fair mix.
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
   at::parallel_for(0, workers, 1, [&](int64_t worker_begin, int64_t worker_end) {
@@ -419,6 +428,210 @@ void prefill_attention(
 }
 #endif
 
+
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SHARDSERVE_AMX 1
+// Prefill attention for bfloat16 on AMX tiles (Intel Sapphire Rapids and later): the two matrix products of
+// attention, Q K^T and P V, run as tile multiplies (16 x 32 by 32 x 16 bfloat16 -> float32 per instruction)
+// instead of AVX-512 FMAs, which is what let torch's own attention (oneDNN) beat the vector kernel above there.
+//
+// A task is one (sequence, KV head) chunk, so its keys and values are laid out once for the tiles and shared by
+// every query head of the group and every 16-query tile of the chunk:
+//   keys:   for each 16 keys and 32 dims, the B operand of Q K^T: 16 rows (dim pairs) x 16 keys x 2 bfloat16s;
+//   values: for each 32 keys and 16 dims, the B operand of P V: 16 rows (key pairs) x 16 dims x 2 bfloat16s;
+// both zero past the context. Then for each query head and 16 queries: the scores of every key the last query
+// sees (the query rows are the A operand, read from `query` with its row stride), their softmax in float32 on
+// AVX-512 (scaled, causal, past-the-context keys at zero weight), the weights rounded to bfloat16 as the A
+// operand of P V (as torch's bfloat16 attention rounds them), and the output normalised by the float32 sums.
+// Every tile is 16 rows x 64 bytes: one configuration. Scores, weights and outputs stay in this thread's buffers.
+
+// Linux gives a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles (the intrinsics take their numbers as literals): Q K^T: scores 6, keys 7, the query's 32-dim parts 2-5;
+// P V: outputs 0-3 (16 dims each), weights 4, values 5.
+void load_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+template <int D>
+void prefill_attention_amx(const c10::BFloat16* query, const c10::BFloat16* key_cache,
+                           const c10::BFloat16* value_cache, const int32_t* block_tables,
+                           const int32_t* query_start_loc, const int32_t* context_lens, c10::BFloat16* out,
+                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
+                           int64_t max_blocks, float scale, int64_t shortest_chunk) {
+  constexpr int kParts = D / 32;   // Q K^T: 32 dims per tile multiply
+  constexpr int kGroups = D / 16;  // P V: 16 output dims per tile
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t head_stride = num_blocks * kKeys * D;
+  const int64_t row_stride = num_heads * D;  // between one query token's rows of `query` and `out`
+
+  struct Task { int64_t seq, kv_head, cost; };
+  std::vector<Task> tasks;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t q_len = query_start_loc[seq + 1] - query_start_loc[seq];
+    if (q_len < shortest_chunk) continue;
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+      tasks.push_back({seq, kv_head, q_len * context_lens[seq]});
+  }
+  if (tasks.empty()) return;
+  // Longest first, each thread taking the next when it is free: chunks differ in length.
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    load_tile_config();
+    std::vector<uint32_t> keys_t;       // [key chunk of 16][part][16 dim pairs][16 keys]
+    std::vector<uint32_t> value_pairs;  // [key chunk of 32][dim group][16 key pairs][16 dims]
+    std::vector<float> scores;          // [16 queries][keys, padded to 32]
+    std::vector<uint16_t> weights;      // [16 queries][keys, padded to 32] bfloat16
+    alignas(64) uint16_t q_pad[16 * D];
+    alignas(64) float outputs[16][16 * kGroups];
+    float sums[16];
+    for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) {
+      const Task task = tasks[t];
+      const int64_t q_start = query_start_loc[task.seq];
+      const int64_t q_len = query_start_loc[task.seq + 1] - q_start;
+      const int64_t context = context_lens[task.seq];
+      const int32_t* table = block_tables + task.seq * max_blocks;
+      const uint16_t* key_head = reinterpret_cast<const uint16_t*>(key_cache + task.kv_head * head_stride);
+      const uint16_t* value_head = reinterpret_cast<const uint16_t*>(value_cache + task.kv_head * head_stride);
+      const int64_t padded = (context + 31) / 32 * 32;
+
+      // The keys as B operands of Q K^T, the values as B operands of P V.
+      keys_t.assign(padded * D / 2, 0u);
+      value_pairs.assign(padded * D / 2, 0u);
+      for (int64_t key = 0; key < context; ++key) {
+        const uint16_t* k = key_head + static_cast<int64_t>(table[key / kKeys]) * kKeys * D + key % kKeys * D;
+        const uint32_t* k_words = reinterpret_cast<const uint32_t*>(k);
+        uint32_t* k_dst = keys_t.data() + (key / 16) * kParts * 256 + key % 16;
+        for (int64_t w = 0; w < D / 2; ++w) k_dst[(w / 16) * 256 + (w % 16) * 16] = k_words[w];
+        const uint16_t* v = value_head + static_cast<int64_t>(table[key / kKeys]) * kKeys * D + key % kKeys * D;
+        uint16_t* v_dst = reinterpret_cast<uint16_t*>(value_pairs.data() + (key / 32) * kGroups * 256) +
+                          (key % 32 / 2) * 32 + key % 2;
+        for (int64_t d = 0; d < D; ++d) v_dst[(d / 16) * 512 + (d % 16) * 2] = v[d];
+      }
+      scores.resize(16 * padded);
+      weights.resize(16 * padded);
+
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = task.kv_head * group + g;
+        for (int64_t first = 0; first < q_len; first += 16) {
+          const int64_t rows = std::min<int64_t>(16, q_len - first);
+          const int64_t last_pos = context - q_len + first + rows - 1;
+          const int64_t seen = last_pos + 1;  // keys the tile's last query sees
+          const int64_t chunks16 = (seen + 15) / 16, chunks32 = (seen + 31) / 32;
+
+          // The query rows as A operands (a short tile through a zero-padded copy: no read past `query`).
+          const c10::BFloat16* q_rows = query + (q_start + first) * row_stride + head * D;
+          int64_t q_stride = row_stride * 2;
+          if (rows < 16) {
+            std::fill_n(q_pad, 16 * D, uint16_t{0});
+            for (int64_t i = 0; i < rows; ++i)
+              std::memcpy(q_pad + i * D, q_rows + i * row_stride, D * 2);
+            q_rows = reinterpret_cast<const c10::BFloat16*>(q_pad);
+            q_stride = D * 2;
+          }
+          _tile_loadd(2, q_rows, q_stride);
+          _tile_loadd(3, q_rows + 32, q_stride);
+          if constexpr (kParts > 2) {
+            _tile_loadd(4, q_rows + 64, q_stride);
+            _tile_loadd(5, q_rows + 96, q_stride);
+          }
+          for (int64_t c = 0; c < chunks16; ++c) {
+            const uint32_t* k = keys_t.data() + c * kParts * 256;
+            _tile_zero(6);
+            _tile_loadd(7, k, 64);
+            _tile_dpbf16ps(6, 2, 7);
+            _tile_loadd(7, k + 256, 64);
+            _tile_dpbf16ps(6, 3, 7);
+            if constexpr (kParts > 2) {
+              _tile_loadd(7, k + 512, 64);
+              _tile_dpbf16ps(6, 4, 7);
+              _tile_loadd(7, k + 768, 64);
+              _tile_dpbf16ps(6, 5, 7);
+            }
+            _tile_stored(6, scores.data() + c * 16, padded * 4);
+          }
+
+          // Softmax of each query's row over the keys it sees, in float32; weights in bfloat16, zero elsewhere.
+          for (int64_t i = 0; i < 16; ++i) {
+            float* s = scores.data() + i * padded;
+            uint16_t* w = weights.data() + i * padded;
+            const int64_t visible = i < rows ? context - q_len + first + i + 1 : 0;
+            __m512 peak = _mm512_set1_ps(-INFINITY);
+            int64_t k = 0;
+            for (; k + 16 <= visible; k += 16) peak = _mm512_max_ps(peak, _mm512_loadu_ps(s + k));
+            if (k < visible) {
+              const __mmask16 m = static_cast<__mmask16>((1u << (visible - k)) - 1);
+              peak = _mm512_mask_max_ps(peak, m, peak, _mm512_maskz_loadu_ps(m, s + k));
+            }
+            const float top = _mm512_reduce_max_ps(peak);
+            const __m512 top_v = _mm512_set1_ps(top), scale_v = _mm512_set1_ps(scale);
+            __m512 total = _mm512_setzero_ps();
+            for (k = 0; k < chunks32 * 32; k += 16) {
+              const int64_t left = visible - k;
+              const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+              const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + k), top_v), scale_v)));
+              total = _mm512_add_ps(total, e);
+              narrow16(reinterpret_cast<c10::BFloat16*>(w + k), e);
+            }
+            sums[i] = _mm512_reduce_add_ps(total);
+          }
+
+          // P V, 4 output tiles (64 dims) at a time.
+          c10::BFloat16* out_rows = out + (q_start + first) * row_stride + head * D;
+          for (int64_t pass = 0; pass < kGroups; pass += 4) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t c = 0; c < chunks32; ++c) {
+              const uint32_t* v = value_pairs.data() + (c * kGroups + pass) * 256;
+              _tile_loadd(4, weights.data() + c * 32, padded * 2);
+              _tile_loadd(5, v, 64);
+              _tile_dpbf16ps(0, 4, 5);
+              _tile_loadd(5, v + 256, 64);
+              _tile_dpbf16ps(1, 4, 5);
+              _tile_loadd(5, v + 512, 64);
+              _tile_dpbf16ps(2, 4, 5);
+              _tile_loadd(5, v + 768, 64);
+              _tile_dpbf16ps(3, 4, 5);
+            }
+            _tile_stored(0, &outputs[0][0], sizeof(outputs[0]));
+            _tile_stored(1, &outputs[0][16], sizeof(outputs[0]));
+            _tile_stored(2, &outputs[0][32], sizeof(outputs[0]));
+            _tile_stored(3, &outputs[0][48], sizeof(outputs[0]));
+            for (int64_t i = 0; i < rows; ++i) {
+              const __m512 inv = _mm512_set1_ps(sums[i] > 0.f ? 1.f / sums[i] : 0.f);
+              for (int64_t d = 0; d < 64; d += 16)
+                narrow16(out_rows + i * row_stride + pass * 16 + d, _mm512_mul_ps(_mm512_loadu_ps(&outputs[i][d]), inv));
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif  // AMX
+
 }  // namespace
 
 // The kernels read blocks straight from the table: check, before any read, that every block a
@@ -449,6 +662,21 @@ void check_attention_inputs(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(query.size(2) == kv_cache.size(4), what, ": head_dim differs from the cache's");
   TORCH_CHECK(kv_cache.is_contiguous(), what, ": the cache must be contiguous");
 }
+
+// Chunks of at least this many queries run on AMX tiles where prefill_uses_amx (a 16-query tile is the unit).
+constexpr int64_t kAmxShortestChunk = 17;
+
+// Whether bfloat16 prefill attention with this head_dim and block size runs on AMX tiles here (the build and the
+// CPU have AMX, the OS lets the process use it, head_dim 64 or 128, blocks of 16 keys).
+bool prefill_uses_amx(at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
+#if defined(SHARDSERVE_AMX)
+  return dtype == at::kBFloat16 && (head_dim == 64 || head_dim == 128) && block_size == kKeys && amx_permitted();
+#else
+  return false;
+#endif
+}
+
+bool prefill_amx_available() { return prefill_uses_amx(at::kBFloat16, 64, kKeys); }
 
 bool prefill_supported(int64_t head_dim, int64_t block_size) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -493,6 +721,27 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
                          out.data_ptr<T>(), tables.size(0), q.size(1), num_kv_heads, num_blocks, tables.size(1), dim,
                          static_cast<float>(scale));
   };
+#if defined(SHARDSERVE_AMX)
+  if (prefill_uses_amx(q.scalar_type(), dim, kv_cache.size(3))) {
+    // chunks of more than kAmxShortestChunk - 1 queries on the tiles, shorter ones (a speculative verification)
+    // in the vector kernel, whose rows pack a chunk's query heads densely
+    using BF16 = c10::BFloat16;
+    const BF16* keys = kv_cache.data_ptr<BF16>();
+    const BF16* values = keys + num_kv_heads * num_blocks * kKeys * dim;
+    auto amx = [&](auto dim_constant) {
+      prefill_attention_amx<decltype(dim_constant)::value>(
+          q.data_ptr<BF16>(), keys, values, tables.data_ptr<int32_t>(), starts.data_ptr<int32_t>(),
+          lens.data_ptr<int32_t>(), out.data_ptr<BF16>(), tables.size(0), q.size(1), num_kv_heads, num_blocks,
+          tables.size(1), static_cast<float>(scale), kAmxShortestChunk);
+    };
+    if (dim == 64) amx(std::integral_constant<int, 64>{});
+    else amx(std::integral_constant<int, 128>{});
+    prefill_attention<BF16>(q.data_ptr<BF16>(), keys, values, tables.data_ptr<int32_t>(), starts.data_ptr<int32_t>(),
+                            lens.data_ptr<int32_t>(), out.data_ptr<BF16>(), tables.size(0), q.size(1), num_kv_heads,
+                            num_blocks, tables.size(1), dim, static_cast<float>(scale), kAmxShortestChunk - 1);
+    return out;
+  }
+#endif
   dispatch_float(q, "paged_prefill_attention", run);
 #endif
   return out;

@@ -99,3 +99,30 @@ def test_native_cpu_prefill_leaves_what_it_cannot_take_to_the_reference(native_t
     assert not cpu_native.prefill_supported(72, 16, native_target)  # head_dim not a multiple of 16
     assert not cpu_native.prefill_supported(64, 32, native_target)  # blocks of 32 tokens
     assert not cpu_native.prefill_supported(272, 16, native_target)  # head_dim over 256
+
+
+@pytest.mark.parametrize("head_dim, group", [(64, 1), (64, 4), (128, 2)])
+def test_amx_prefill_of_bfloat16_chunks_matches_the_spec(native_target, native, head_dim, group):
+    """On a CPU with AMX the native build runs bfloat16 chunks of 17 queries or more on AMX tiles (the weights
+    rounded to bfloat16 for P V, as torch's bfloat16 attention rounds them), and shorter ones in the vector loop,
+    both in one call: 16-query tiles with a short last one, chunks starting mid-block after a cached prefix,
+    exactly one and two tiles, a context past 32 keys' padding, beside verifications of a few queries."""
+    from kernels import cpu_native
+
+    amx = "amx_bf16" in cpu_native.cpu_flags() and native_target == "native"
+    assert cpu_native.load(native_target).prefill_amx_available() == amx
+    generator = torch.Generator().manual_seed(head_dim * 7 + group)
+    chunks = [(0, 17), (0, 16), (5, 32), (130, 75), (300, 5), (0, 143), (47, 18), (16, 2)]
+    context_lens = [cached + new for cached, new in chunks]
+    query_lens = [new for _, new in chunks]
+    kv_cache = random_kv_cache(NUM_KV_HEADS, 80, 16, head_dim, torch.bfloat16, generator)
+    block_tables = scattered_block_tables(context_lens, 16, 80, generator)
+    query = torch.randn(sum(query_lens), NUM_KV_HEADS * group, head_dim, generator=generator).to(torch.bfloat16)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+
+    out = native.paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, lens, scale)
+
+    spec = prefill_attention(query, kv_cache, block_tables, query_start_loc, lens, scale)
+    assert_close_to_spec(out, spec, torch.bfloat16)
