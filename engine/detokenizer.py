@@ -8,16 +8,35 @@ streaming, the last few characters are held back in case they begin a stop strin
 
 from __future__ import annotations
 
+import tokenizers
+
 from engine.sequence import Sequence
 
 _INCOMPLETE = "\ufffd"  # what a partial UTF-8 sequence decodes to
 
 
+def rust_decode(tokenizer):
+    """The Rust tokenizer's own `decode` where it returns exactly what `tokenizer.decode` does: a transformers
+    fast tokenizer that does not clean up tokenization spaces (transformers then returns the Rust decode as it
+    is). It skips transformers' Python around each call, which was most of the cost of a token's detokenization
+    (two decodes a token: about 20 us of which 3 us in Rust, a decode step at batch 96 spending 1.5-2 ms here).
+    None for any other tokenizer."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, tokenizers.Tokenizer):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True) is not False:
+        return None
+    return backend.decode
+
+
 class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._rust_decode = rust_decode(tokenizer)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def append_token(self, seq: Sequence) -> str | None:

@@ -33,6 +33,26 @@ def test_multibyte_characters_split_across_tokens_are_emitted_whole(tiny_llama_d
         assert "" in pieces
 
 
+def test_a_fast_tokenizer_decodes_in_rust_and_gives_what_transformers_gives(tiny_llama_dir):
+    """The detokenizer calls the Rust tokenizer's decode where transformers would return it unchanged (no
+    clean-up of tokenization spaces), with or without special tokens; a tokenizer that cleans up keeps
+    transformers' decode, clean-up included."""
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    assert tokenizer.clean_up_tokenization_spaces is False
+    ids = tokenizer.encode("a , b . héllo → 日本 🚀", add_special_tokens=False)
+    with_special = [tokenizer.bos_token_id or 1, *ids, tokenizer.eos_token_id or 2]
+    detokenizer = Detokenizer(tokenizer)
+    assert detokenizer._rust_decode is not None
+    for token_ids in (ids, with_special, ids[:1], []):
+        for skip in (True, False):
+            assert detokenizer.decode(token_ids, skip) == tokenizer.decode(token_ids, skip_special_tokens=skip)
+
+    tokenizer.clean_up_tokenization_spaces = True
+    cleaning = Detokenizer(tokenizer)
+    assert cleaning._rust_decode is None
+    assert cleaning.decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
 @pytest.fixture(scope="module")
 def async_engine(tiny_llama_dir):
     engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
