@@ -8,6 +8,7 @@ docs/BENCHMARKS.md "Memory the engine reuses"). vLLM's CPU build has the same ne
 preload TCMalloc. Raising glibc's mmap threshold to its maximum (32 MiB) and keeping freed memory at the top of
 the heap (the trim threshold) lets every block below 32 MiB be reused from the heap instead; the same prefill
 ran 1.45x faster. The process keeps its peak heap instead of returning it between steps.
+SHARDSERVE_MALLOC_TUNING=0 leaves malloc as it is (for an allocator preloaded instead, or to measure the change).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 import sys
 
 logger = logging.getLogger("shardserve.kernels")
@@ -32,6 +34,9 @@ def reuse_freed_memory() -> bool:
     """Tune glibc's malloc (once per process) so that freed tensor memory up to 32 MiB a block is reused, not
     returned to the OS and faulted in again; False where the C library is not glibc or refuses."""
     if not sys.platform.startswith("linux"):
+        return False
+    if os.environ.get("SHARDSERVE_MALLOC_TUNING", "1").lower() in ("0", "false", "off", "no"):
+        logger.info("malloc left as it is (SHARDSERVE_MALLOC_TUNING=0)")
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))

@@ -64,6 +64,17 @@ def cases(generator: torch.Generator, dtype: torch.dtype):
             lambda q=q, kv=kv, t=tables, s=starts, n=lens: TORCH.paged_prefill_attention(q, kv, t, s, n, 0.125),
             lambda q=q, kv=kv, t=tables, s=starts, n=lens: native.paged_prefill_attention(q, kv, t, s, n, 0.125),
         )
+    # a prefill step of 16 prompts of 512 tokens (2 steps of the engine's 8192-token budget: 64 x 512 offline)
+    batch, new = 16, 512
+    kv, tables = paged_scene(batch, new, generator, dtype)
+    q = torch.randn(batch * new, HEADS, HEAD_DIM, generator=generator).to(dtype)
+    starts = torch.arange(batch + 1, dtype=torch.int32) * new
+    lens = torch.full((batch,), new, dtype=torch.int32)
+    yield (
+        f"prefill attention, {batch} prompts of {new} tokens",
+        lambda q=q, kv=kv, t=tables, s=starts, n=lens: TORCH.paged_prefill_attention(q, kv, t, s, n, 0.125),
+        lambda q=q, kv=kv, t=tables, s=starts, n=lens: native.paged_prefill_attention(q, kv, t, s, n, 0.125),
+    )
     # speculative verification: 10 sequences, each its last token and 4 proposals on 571 cached (as the model
     # calls it, with the longest chunk known: the engine's backend keeps such short chunks native on AMX too)
     batch, new, cached = 10, 5, 571
