@@ -21,7 +21,7 @@ from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.warmup import warm_up_attention, warm_up_sampling
 from kernels.backend import get_backend
 from kernels.cpu_threads import bind_threads
-from kernels.host_memory import reuse_freed_memory
+from kernels.host_memory import reuse_freed_memory, zeros_on_huge_pages
 from parallel.comm import min_over_ranks
 from parallel.layers import pack_linear_weights, weight_bytes
 from parallel.state import ParallelContext
@@ -227,9 +227,12 @@ class ModelRunner:
         # block ids are shared by every rank (one block manager): all hold the smallest rank's count
         self.num_blocks = min_over_ranks(num_blocks, self.parallel)
         shape = (2, self.model.kv_heads_per_rank, self.num_blocks, config.block_size, model_config.head_dim)
-        # zeroed: padding positions of gathered blocks must hold finite values (0 * NaN = NaN)
+        # zeroed: padding positions of gathered blocks must hold finite values (0 * NaN = NaN); on CPU on 2 MiB
+        # pages where Linux gives them, since decode reads blocks from anywhere in the cache (kernels/host_memory.py)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_config.num_hidden_layers)
+            zeros_on_huge_pages(shape, self.dtype) if self.device.type == "cpu"
+            else torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(model_config.num_hidden_layers)
         ]
         self.swapper = None  # swap preemption's host block pool (engine/swap.py)
         per_block = kv_bytes_per_block(model_config, config.block_size, self.dtype, self.model.kv_heads_per_rank)

@@ -1,4 +1,5 @@
-"""The process's malloc, tuned for a CPU engine's tensors (glibc only).
+"""Host memory for a CPU engine: the process's malloc tuned for its tensors (glibc only), and the paged KV cache on
+2 MiB pages (Linux).
 
 A prefill step allocates and frees activations of several MiB to tens of MiB per op (8192 tokens x the hidden or
 MLP width). glibc's malloc hands out such blocks with mmap and returns them with munmap, so every op's output
@@ -9,6 +10,13 @@ preload TCMalloc. Raising glibc's mmap threshold to its maximum (32 MiB) and kee
 the heap (the trim threshold) lets every block below 32 MiB be reused from the heap instead; the same prefill
 ran 1.45x faster. The process keeps its peak heap instead of returning it between steps.
 SHARDSERVE_MALLOC_TUNING=0 leaves malloc as it is (for an allocator preloaded instead, or to measure the change).
+
+A decode step reads every running sequence's K/V blocks, which lie anywhere in a layer's cache (256 MiB of it by
+default on CPU) once blocks have been freed and reused. On 4 KiB pages nearly every block is a TLB miss; on 2 MiB
+pages few are: scattered blocks read 1.4x faster (docs/BENCHMARKS.md, "Decode attention from memory"). Linux ships
+transparent huge pages in `madvise` mode on most distributions: a region gets them only when asked, before its
+pages are first touched, which is what `zeros_on_huge_pages` does. Where they are off (`never`), or on another
+OS, the cache is an ordinary zeroed tensor.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import functools
 import logging
 import os
 import sys
+
+import torch
 
 logger = logging.getLogger("shardserve.kernels")
 
@@ -50,3 +60,33 @@ def reuse_freed_memory() -> bool:
     if not applied:
         logger.warning("mallopt refused the engine's malloc settings; large tensors stay on mmap")
     return applied
+
+
+MADV_HUGEPAGE = 14  # linux/mman.h
+PAGE = 4096
+HUGE_PAGE = 2 * 2**20
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask Linux to back the whole pages inside `tensor`'s memory with 2 MiB pages; True if it took the advice.
+    Pages already touched keep their size until the kernel's khugepaged merges them."""
+    nbytes = tensor.untyped_storage().nbytes()
+    if not sys.platform.startswith("linux") or tensor.device.type != "cpu" or nbytes < HUGE_PAGE:
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    address = tensor.untyped_storage().data_ptr()
+    start = -(-address // PAGE) * PAGE
+    length = (address + nbytes - start) // PAGE * PAGE
+    if libc.madvise(start, length, MADV_HUGEPAGE) != 0:
+        logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d): the KV cache stays on small pages", ctypes.get_errno())
+        return False
+    return True
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor, on huge pages where Linux gives them (advised before the zeroing first touches it)."""
+    tensor = torch.empty(shape, dtype=dtype)
+    advise_huge_pages(tensor)
+    return tensor.zero_()
