@@ -13,10 +13,11 @@ SHARDSERVE_MALLOC_TUNING=0 leaves malloc as it is (for an allocator preloaded in
 
 A decode step reads every running sequence's K/V blocks, which lie anywhere in a layer's cache (256 MiB of it by
 default on CPU) once blocks have been freed and reused. On 4 KiB pages nearly every block is a TLB miss; on 2 MiB
-pages few are: scattered blocks read 1.4x faster (docs/BENCHMARKS.md, "Decode attention from memory"). Linux ships
+pages few are: scattered blocks read 1.3x faster (docs/BENCHMARKS.md, "Decode attention from memory"). Linux ships
 transparent huge pages in `madvise` mode on most distributions: a region gets them only when asked, before its
-pages are first touched, which is what `zeros_on_huge_pages` does. Where they are off (`never`), or on another
-OS, the cache is an ordinary zeroed tensor.
+pages are first touched, which is what `zeros_on_huge_pages` does, in a mapping of its own (the heap, which the
+malloc settings above keep, could hand back pages already touched). Where they are off (`never`), or on
+another OS, the cache is ordinary zeroed memory.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
+import mmap
 import os
 import sys
 
@@ -62,31 +65,19 @@ def reuse_freed_memory() -> bool:
     return applied
 
 
-MADV_HUGEPAGE = 14  # linux/mman.h
-PAGE = 4096
 HUGE_PAGE = 2 * 2**20
 
 
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Ask Linux to back the whole pages inside `tensor`'s memory with 2 MiB pages; True if it took the advice.
-    Pages already touched keep their size until the kernel's khugepaged merges them."""
-    nbytes = tensor.untyped_storage().nbytes()
-    if not sys.platform.startswith("linux") or tensor.device.type != "cpu" or nbytes < HUGE_PAGE:
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    address = tensor.untyped_storage().data_ptr()
-    start = -(-address // PAGE) * PAGE
-    length = (address + nbytes - start) // PAGE * PAGE
-    if libc.madvise(start, length, MADV_HUGEPAGE) != 0:
-        logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d): the KV cache stays on small pages", ctypes.get_errno())
-        return False
-    return True
-
-
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor, on huge pages where Linux gives them (advised before the zeroing first touches it)."""
-    tensor = torch.empty(shape, dtype=dtype)
-    advise_huge_pages(tensor)
-    return tensor.zero_()
+    """A zeroed CPU tensor in memory of its own (an anonymous mapping, so zero and untouched, whatever the heap
+    holds), advised onto 2 MiB pages before anything touches it; ordinary zeros where the OS has no such advice
+    or the tensor is under one huge page. The mapping lives as long as the tensor (torch.frombuffer holds it)."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as exc:  # transparent huge pages compiled out of this kernel
+        logger.debug("madvise(MADV_HUGEPAGE) refused (%s): the KV cache stays on small pages", exc)
+    return torch.frombuffer(region, dtype=dtype).view(shape)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.host_memory import HUGE_PAGE, zeros_on_huge_pages
+from kernels.host_memory import HUGE_PAGE, reuse_freed_memory, zeros_on_huge_pages
 
 
 def huge_page_bytes_backing(tensor: torch.Tensor) -> int:
@@ -29,10 +29,16 @@ def huge_page_bytes_backing(tensor: torch.Tensor) -> int:
 def test_the_kv_cache_is_zeroed_and_on_huge_pages_where_linux_gives_them():
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     enabled = mode.exists() and "[never]" not in mode.read_text()
-    # 64 MiB: above malloc's largest mmap threshold, so fresh pages, as a layer's cache (256 MiB by default) is
-    cache = zeros_on_huge_pages((2, 4, 4096, 16, 64), torch.bfloat16)
+    # whatever the heap holds (the engine's malloc settings keep freed memory): this test's process may have
+    # built engines before, and the cache must still be fresh memory
+    reuse_freed_memory()
+    held = [torch.ones(24 * 2**20 // 4) for _ in range(10)]  # 240 MiB the heap keeps once freed
+    del held
+    cache = zeros_on_huge_pages((2, 4, 4096, 16, 64), torch.bfloat16)  # 64 MiB
     assert cache.shape == (2, 4, 4096, 16, 64) and cache.dtype == torch.bfloat16
     assert not cache.any()
+    cache.fill_(1.0)  # the pages are made on first write
+    assert int(cache.float().sum()) == cache.numel()
     backed = huge_page_bytes_backing(cache)
     if enabled:
         # the whole 2 MiB pages inside the tensor: all but the partial ones at its two ends
