@@ -4,11 +4,11 @@
 A prefill step allocates and frees activations of several MiB to tens of MiB per op (8192 tokens x the hidden or
 MLP width). glibc's malloc hands out such blocks with mmap and returns them with munmap, so every op's output
 is fresh memory whose pages fault in one by one on first touch, and the kernel zeroes each: on the bench model,
-a 64 x 512-token prefill spent about a third of its time in page faults (2026-12-05, Intel Xeon with AMX,
-docs/BENCHMARKS.md "Memory the engine reuses"). vLLM's CPU build has the same need and asks its users to
-preload TCMalloc. Raising glibc's mmap threshold to its maximum (32 MiB) and keeping freed memory at the top of
-the heap (the trim threshold) lets every block below 32 MiB be reused from the heap instead; the same prefill
-ran 1.45x faster. The process keeps its peak heap instead of returning it between steps.
+a 64 x 512-token prefill had about a quarter of its `perf` samples in the kernel, mostly page faults (2026-12-05,
+Intel Xeon with AMX, docs/BENCHMARKS.md "AMX prefill attention and the memory the engine reuses"). vLLM's CPU
+build has the same need and asks its users to preload TCMalloc. Raising glibc's mmap threshold to its maximum
+(32 MiB) and keeping freed memory at the top of the heap (the trim threshold) lets blocks below 32 MiB be reused
+from the heap instead; the 64 prompts' prefill ran 1.4x faster (scripts/bench_engine.py). The process keeps its peak heap instead of returning it between steps.
 SHARDSERVE_MALLOC_TUNING=0 leaves malloc as it is (for an allocator preloaded instead, or to measure the change).
 
 A decode step reads every running sequence's K/V blocks, which lie anywhere in a layer's cache (256 MiB of it by
