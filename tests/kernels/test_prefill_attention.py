@@ -3,6 +3,7 @@
 import pytest
 import torch
 from kernel_float64_spec import assert_close_to_spec, prefill_attention
+from native_builds import amx_tiles_expected
 from paged_inputs import random_kv_cache, scattered_block_tables
 
 pytestmark = pytest.mark.usefixtures("poisoned_allocations")
@@ -109,8 +110,7 @@ def test_amx_prefill_of_bfloat16_chunks_matches_the_spec(native_target, native, 
     exactly one and two tiles, a context past 32 keys' padding, beside verifications of a few queries."""
     from kernels import cpu_native
 
-    amx = "amx_bf16" in cpu_native.cpu_flags() and native_target == "native"
-    assert cpu_native.load(native_target).prefill_amx_available() == amx
+    assert cpu_native.load(native_target).prefill_amx_available() == amx_tiles_expected(native_target)
     generator = torch.Generator().manual_seed(head_dim * 7 + group)
     chunks = [(0, 17), (0, 16), (5, 32), (130, 75), (300, 5), (0, 143), (47, 18), (16, 2)]
     context_lens = [cached + new for cached, new in chunks]
