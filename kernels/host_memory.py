@@ -8,8 +8,8 @@ a 64 x 512-token prefill had about a quarter of its `perf` samples in the kernel
 Intel Xeon with AMX, docs/BENCHMARKS.md "AMX prefill attention and the memory the engine reuses"). vLLM's CPU
 build has the same need and asks its users to preload TCMalloc. Raising glibc's mmap threshold to its maximum
 (32 MiB) and keeping freed memory at the top of the heap (the trim threshold) lets blocks below 32 MiB be reused
-from the heap instead; the 64 prompts' prefill ran 1.4x faster (scripts/bench_engine.py). The process keeps its peak heap instead of returning it between steps.
-SHARDSERVE_MALLOC_TUNING=0 leaves malloc as it is (for an allocator preloaded instead, or to measure the change).
+from the heap instead; the 64 prompts' prefill ran 1.4x faster (scripts/bench_engine.py). The process keeps its
+peak heap instead of returning it between steps. SHARDSERVE_MALLOC_TUNING=0 leaves malloc as it is (for an allocator preloaded instead, or to measure the change).
 
 A decode step reads every running sequence's K/V blocks, which lie anywhere in a layer's cache (256 MiB of it by
 default on CPU) once blocks have been freed and reused. On 4 KiB pages nearly every block is a TLB miss; on 2 MiB

@@ -187,16 +187,15 @@ void decode_attention(
       for (int64_t i = 0; i < group * dim; ++i) q[i] = load(q_in[i]) * scale;
       scores.resize(group * context);
       const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(T));
+      const int64_t blocks = (context + block_size - 1) / block_size;
       for (int64_t start = 0; start < context; start += block_size) {
         const T* block = keys + static_cast<int64_t>(table[start / block_size]) * block_size * dim;
         const int64_t count = std::min(block_size, context - start);
-        {
-          const int64_t ahead = start / block_size + kAhead, blocks = (context + block_size - 1) / block_size;
-          if (ahead < blocks)
-            prefetch_block(keys + static_cast<int64_t>(table[ahead]) * block_size * dim, block_bytes);
-          else if (ahead - blocks < blocks)
-            prefetch_block(values + static_cast<int64_t>(table[ahead - blocks]) * block_size * dim, block_bytes);
-        }
+        const int64_t ahead = start / block_size + kAhead;  // the K blocks, then the V blocks
+        if (ahead < blocks)
+          prefetch_block(keys + static_cast<int64_t>(table[ahead]) * block_size * dim, block_bytes);
+        else if (ahead - blocks < blocks)
+          prefetch_block(values + static_cast<int64_t>(table[ahead - blocks]) * block_size * dim, block_bytes);
         for (int64_t g = 0; g < group; ++g) scores_of(q.data() + g * dim, block, count, scores.data() + g * context + start);
       }
 
@@ -212,11 +211,9 @@ void decode_attention(
       for (int64_t start = 0; start < context; start += block_size) {
         const T* block = values + static_cast<int64_t>(table[start / block_size]) * block_size * dim;
         const int64_t count = std::min(block_size, context - start);
-        {
-          const int64_t ahead = start / block_size + kAhead, blocks = (context + block_size - 1) / block_size;
-          if (ahead < blocks)
-            prefetch_block(values + static_cast<int64_t>(table[ahead]) * block_size * dim, block_bytes);
-        }
+        const int64_t ahead = start / block_size + kAhead;
+        if (ahead < blocks)
+          prefetch_block(values + static_cast<int64_t>(table[ahead]) * block_size * dim, block_bytes);
         for (int64_t g = 0; g < group; ++g) add_values(scores.data() + g * context + start, block, count, acc.data() + g * dim);
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -724,13 +721,14 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
   at::Tensor out = at::empty_like(q);
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), dim = q.size(2);
-  auto run = [&](auto* tag) {
+  // the vector kernel, over the chunks of at most `longest_chunk` queries
+  auto run = [&](auto* tag, int64_t longest_chunk = INT64_MAX) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* keys = kv_cache.data_ptr<T>();
     prefill_attention<T>(q.data_ptr<T>(), keys, keys + num_kv_heads * num_blocks * kKeys * dim,
                          tables.data_ptr<int32_t>(), starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                          out.data_ptr<T>(), tables.size(0), q.size(1), num_kv_heads, num_blocks, tables.size(1), dim,
-                         static_cast<float>(scale));
+                         static_cast<float>(scale), longest_chunk);
   };
 #if defined(SHARDSERVE_AMX)
   if (prefill_uses_amx(q.scalar_type(), dim, kv_cache.size(3))) {
@@ -747,9 +745,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
     };
     if (dim == 64) amx(std::integral_constant<int, 64>{});
     else amx(std::integral_constant<int, 128>{});
-    prefill_attention<BF16>(q.data_ptr<BF16>(), keys, values, tables.data_ptr<int32_t>(), starts.data_ptr<int32_t>(),
-                            lens.data_ptr<int32_t>(), out.data_ptr<BF16>(), tables.size(0), q.size(1), num_kv_heads,
-                            num_blocks, tables.size(1), dim, static_cast<float>(scale), kAmxShortestChunk - 1);
+    run(static_cast<BF16*>(nullptr), kAmxShortestChunk - 1);
     return out;
   }
 #endif
