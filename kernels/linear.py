@@ -14,6 +14,7 @@ kernel backend chooses the packer (kernels/backend.py); the parallel layers only
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,35 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Rows of activations up to which the native small-batch product beats oneDNN's packed one on float32 weights
 # (the two cross between 8 and 16 rows: docs/BENCHMARKS.md, "On the AVX2 EPYC")
 SMALL_BATCH_MAX_ROWS = 8
+# Row counts up to which oneDNN's packed product runs on the rows as they are (see padded_rows)
+EXACT_ROWS_MAX = 256
+# SHARDSERVE_LINEAR_ROW_BUCKETS=0: every product on its rows as they are (to measure what the buckets do)
+ROW_BUCKETS = os.environ.get("SHARDSERVE_LINEAR_ROW_BUCKETS", "1").lower() not in ("0", "false", "off", "no")
+
+
+def padded_rows(rows: int) -> int:
+    """The rows a packed product of `rows` activation rows runs on: `rows` itself up to EXACT_ROWS_MAX; above it,
+    the next multiple of 1/32 of the power of two at or above `rows` (300 -> 304, 500 -> 512, 513 -> 544, 2000 ->
+    2048): at most 1/16 more rows, 2% on average, and 16 row counts per doubling.
+
+    oneDNN builds (JIT-compiles) a matmul primitive for each row count it meets and keeps 1,024 of them. Building
+    one costs several times the product it is built for (bfloat16 on AMX, a 1536 x 512 weight: 500 rows 4.8 ms
+    the first time and 0.4-1.3 ms after, 2000 rows 14.5 ms and 1.7 ms), and a served step's row count (its
+    decodes plus the prompt chunks that fit its token budget) is often one it has not met: a 512-token prompt of
+    a length not seen before took 45-50 ms to its first token instead of 29 (docs/BENCHMARKS.md, "oneDNN's
+    primitive per row count"). Padded with zero rows whose results are dropped, a step's products run on 16 row
+    counts per doubling instead. Up to EXACT_ROWS_MAX (decode batches, whose products read the weight more than
+    they compute) the rows stay as they are: 50 rows padded to 64 cost 5-15% there. A row's result does not
+    depend on the other rows of the product."""
+    if rows <= EXACT_ROWS_MAX or not ROW_BUCKETS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 5)
+    return -(-rows // step) * step
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product of `x` and a weight in its packed layout."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedLinearWeight:
@@ -48,7 +78,14 @@ class PackedLinearWeight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [n, in] -> [n, out]
         if self.small_batch is not None and x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.dtype == torch.float32:
             return self.small_batch(x, self.dense, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if padded == rows:
+            return onednn_linear(x, self.packed, bias)
+        padded_x = x.new_empty((padded, x.shape[1]))
+        padded_x[:rows].copy_(x)
+        padded_x[rows:].zero_()
+        return onednn_linear(padded_x, self.packed, bias)[:rows]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

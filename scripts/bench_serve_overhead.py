@@ -32,9 +32,11 @@ from scripts.doc_blocks import rewrite_block
 BEGIN, END = "<!-- serve-overhead:begin -->", "<!-- serve-overhead:end -->"
 
 
-def prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def prompts(count: int, length: int, vocab: int, seed: int = 0, min_length: int | None = None) -> list[list[int]]:
+    """`count` prompts of random token ids: `length` each, or with `min_length` of lengths drawn from it to `length`."""
     rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+    return [[rng.randrange(3, vocab) for _ in range(length if min_length is None else rng.randint(min_length, length))]
+            for _ in range(count)]
 
 
 async def in_process(model_dir: str, dtype: str, prompt_ids, output_tokens: int) -> tuple[list, list]:

@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--prompts", type=int, default=50, help="prompts per load")
     parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--min-prompt-tokens", type=int, default=None,
+                        help="prompts of lengths drawn from this to --prompt-tokens (default: all of --prompt-tokens)")
     parser.add_argument("--concurrency", type=int, default=50)
     parser.add_argument("--label", default=None, help="the doc block's name (default: from the flags)")
     parser.add_argument("--write-doc", action="store_true")
@@ -69,7 +71,8 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
             asyncio.run(served_load(server.base_url, names[name], warm_up, 2, args.concurrency, 1.0))
         for round_index in range(args.rounds):
             # the same prompts for both in a round, new ones each round (prefix caching would skip their prefill)
-            load = prompts(args.prompts, args.prompt_tokens, vocab, seed=1000 + round_index)
+            load = prompts(args.prompts, args.prompt_tokens, vocab, seed=1000 + round_index,
+                           min_length=args.min_prompt_tokens)
             for name in ("AB" if round_index % 2 == 0 else "BA"):
                 server = servers[name]
                 rates[name].append(asyncio.run(served_load(server.base_url, names[name], load, 128,
@@ -79,13 +82,19 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
     return rates
 
 
+def lengths(args: argparse.Namespace) -> str:
+    if args.min_prompt_tokens is None:
+        return str(args.prompt_tokens)
+    return f"{args.min_prompt_tokens}-{args.prompt_tokens}"
+
+
 def describe(args: argparse.Namespace, rates: dict[str, list[float]]) -> str:
     ratios = [b / a for a, b in zip(rates["A"], rates["B"])]
     setting = {name: " ".join(filter(None, [env, flags])) or "defaults"
                for name, flags, env in (("A", args.a, args.a_env), ("B", args.b, args.b_env))}
     lines = [
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_description()}, bench model "
-        f"({args.dtype}), {args.prompts} prompts of {args.prompt_tokens} token ids -> 128 tokens at concurrency "
+        f"({args.dtype}), {args.prompts} prompts of {lengths(args)} token ids -> 128 tokens at concurrency "
         f"{args.concurrency}, sampled, per round; A: `{setting['A']}`, B: `{setting['B']}`.",
         "",
         "| round | A tok/s | B tok/s | B / A |",
@@ -106,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         command = "python -m scripts.bench_served_ab " + " ".join(
             f"--{name.replace('_', '-')} {shlex.quote(value)}" for name, value in
             (("a", args.a), ("b", args.b), ("a_env", args.a_env), ("b_env", args.b_env)) if value)
+        if args.min_prompt_tokens is not None:
+            command += f" --min-prompt-tokens {args.min_prompt_tokens} --prompt-tokens {args.prompt_tokens}"
         rewrite_block(f"<!-- served-ab:{label}:begin -->", f"<!-- served-ab:{label}:end -->",
                       f"{table}\n\nCommand: `{command}`", "Two server settings side by side")
 

@@ -91,3 +91,10 @@ def test_a_peer_venv_that_cannot_read_custom_datasets_is_named_before_anything_r
     python.chmod(0o755)
     with pytest.raises(SystemExit, match="pip install pandas"):
         main(["--vllm-python", str(python), "--dataset-name", "grounded", "--no-offline"])
+
+
+def test_a_range_of_prompt_lengths_is_for_vllms_client_on_the_random_load():
+    for extra in (["--clients", "vllm,shardserve"], ["--clients", "vllm", "--dataset-name", "grounded"],
+                  ["--clients", "vllm", "--write-doc"]):
+        with pytest.raises(SystemExit):  # refused before any server starts
+            main(["--vllm-python", "unused", "--random-range-ratio", "0.5", *extra])

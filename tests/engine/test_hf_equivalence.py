@@ -75,6 +75,27 @@ def test_sixteen_prompts_of_lengths_1_to_300_submitted_together(
     assert got == expected
 
 
+def test_products_on_padded_row_counts_equal_transformers(tiny_llama_dir, hf_greedy, prompts16, monkeypatch):
+    """The packed products of a step of more than EXACT_ROWS_MAX rows run on a row-count bucket (kernels/linear.py
+    padded_rows): the first step here has 1,193 prompt tokens, run as 1,216 rows."""
+    from kernels import linear as linear_module
+
+    expected = hf_greedy(tiny_llama_dir, prompts16, MAX_NEW, ignore_eos=True)
+    product = linear_module.onednn_linear
+    row_counts = []
+
+    def recording(x, packed, bias):
+        row_counts.append(x.shape[0])
+        return product(x, packed, bias)
+
+    monkeypatch.setattr(linear_module, "onednn_linear", recording)
+    _, got = run_llm(tiny_llama_dir, prompts16, kernel_backend="cpu")
+    tokens = sum(map(len, prompts16))
+    assert tokens > linear_module.EXACT_ROWS_MAX and tokens not in row_counts
+    assert linear_module.padded_rows(tokens) in row_counts  # the projections and MLP of the first step
+    assert got == expected
+
+
 def test_threads_bound_to_cores_equal_transformers(tiny_llama_dir, hf_greedy, prompts16):
     """cpu_threads_bind: one torch thread on each core, in the list's order (engine/cpu_binding.py)."""
     expected = hf_greedy(tiny_llama_dir, prompts16, MAX_NEW, ignore_eos=True)
