@@ -79,16 +79,10 @@ def test_products_on_padded_row_counts_equal_transformers(tiny_llama_dir, hf_gre
     """The packed products of a step of more than EXACT_ROWS_MAX rows run on a row-count bucket (kernels/linear.py
     padded_rows): the first step here has 1,193 prompt tokens, run as 1,216 rows."""
     from kernels import linear as linear_module
+    from tests.kernels.test_linear_row_buckets import record_row_counts
 
     expected = hf_greedy(tiny_llama_dir, prompts16, MAX_NEW, ignore_eos=True)
-    product = linear_module.onednn_linear
-    row_counts = []
-
-    def recording(x, packed, bias):
-        row_counts.append(x.shape[0])
-        return product(x, packed, bias)
-
-    monkeypatch.setattr(linear_module, "onednn_linear", recording)
+    row_counts = record_row_counts(monkeypatch)
     _, got = run_llm(tiny_llama_dir, prompts16, kernel_backend="cpu")
     tokens = sum(map(len, prompts16))
     assert tokens > linear_module.EXACT_ROWS_MAX and tokens not in row_counts

@@ -10,8 +10,25 @@ import torch.nn.functional as F
 
 from kernels import linear as linear_module
 from kernels.linear import EXACT_ROWS_MAX, PackedLinearWeight, padded_rows
+from tests.parallel.test_packed_weights import onednn_packs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+PACKED_DTYPES = [dtype for dtype in (torch.float32, torch.bfloat16) if onednn_packs(dtype)]
+
+
+def record_row_counts(monkeypatch) -> list[int]:
+    """The row count of every packed product from here on (kernels/linear.py onednn_linear)."""
+    product = linear_module.onednn_linear
+    seen: list[int] = []
+
+    def recording(x, packed, bias):
+        seen.append(x.shape[0])
+        return product(x, packed, bias)
+
+    monkeypatch.setattr(linear_module, "onednn_linear", recording)
+    return seen
 
 
 def test_rows_up_to_the_limit_stay_as_they_are():
@@ -41,23 +58,13 @@ def test_the_environment_variable_turns_buckets_off():
         assert done.stdout.split() == expected.split()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("rows", [1, EXACT_ROWS_MAX, EXACT_ROWS_MAX + 1, 300, 513])
 def test_padded_product_returns_the_rows_asked_for(rows, dtype, monkeypatch):
     torch.manual_seed(rows)
     weight, bias = torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype)
-    try:
-        packed = PackedLinearWeight(weight)
-    except RuntimeError:  # oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT
-        pytest.skip(f"this CPU's oneDNN does not pack {dtype}")
-    product = linear_module.onednn_linear
-    seen = []
-
-    def recording(x, packed_weight, b):
-        seen.append(x.shape[0])
-        return product(x, packed_weight, b)
-
-    monkeypatch.setattr(linear_module, "onednn_linear", recording)
+    packed = PackedLinearWeight(weight)
+    seen = record_row_counts(monkeypatch)
     x = torch.randn(rows, 64).to(dtype) * 4  # far from zero, so padding rows' results would show if returned
     out = packed.matmul(x, bias)
     assert seen == [padded_rows(rows)]
