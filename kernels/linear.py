@@ -8,8 +8,10 @@ differ in the last bits (another summation order). At batch 1-8 a product reads 
 rows: oneDNN's reads it at about half the rate two AVX2 cores stream memory, and the native kernel
 (kernels/cpu/linear.cpp) at the full rate, 1.5x faster at batch 1 on the AVX2 EPYC (docs/BENCHMARKS.md, "On
 the AVX2 EPYC"). It needs the weight in its own row-major layout, so a layer holds both copies where memory
-allows (the model runner decides) and the LM head always (its dense weight is kept for a tied embedding). The
-kernel backend chooses the packer (kernels/backend.py); the parallel layers only hold what it returns.
+allows (the model runner decides) and the LM head always (its dense weight is kept for a tied embedding). A packed
+product of more than 256 rows runs on a row-count bucket, zero-padded (`padded_rows`), so that oneDNN builds a
+primitive per bucket and not per step size. The kernel backend chooses the packer (kernels/backend.py); the
+parallel layers only hold what it returns.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ def padded_rows(rows: int) -> int:
     oneDNN builds (JIT-compiles) a matmul primitive for each row count it meets and keeps 1,024 of them. Building
     one costs several times the product it is built for (bfloat16 on AMX, a 1536 x 512 weight: 500 rows 4.8 ms
     the first time and 0.4-1.3 ms after, 2000 rows 14.5 ms and 1.7 ms), and a served step's row count (its
-    decodes plus the prompt chunks that fit its token budget) is often one it has not met: a 512-token prompt of
-    a length not seen before took 45-50 ms to its first token instead of 29 (docs/BENCHMARKS.md, "oneDNN's
-    primitive per row count"). Padded with zero rows whose results are dropped, a step's products run on 16 row
-    counts per doubling instead. Up to EXACT_ROWS_MAX (decode batches, whose products read the weight more than
+    decodes plus the prompt chunks that fit its token budget) is often one it has not met. Padded with zero rows
+    whose results are dropped, a step's products run on 16 row counts per doubling instead: prompts of 256-768
+    tokens, each of a length not met before, reach their first token in 43-44 ms instead of 52-55 on the bench model
+    (docs/BENCHMARKS.md, "oneDNN's primitive per row count"). Up to EXACT_ROWS_MAX (decode batches, whose products read the weight more than
     they compute) the rows stay as they are: 50 rows padded to 64 cost 5-15% there. A row's result does not
     depend on the other rows of the product."""
     if rows <= EXACT_ROWS_MAX or not ROW_BUCKETS:
