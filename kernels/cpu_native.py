@@ -27,6 +27,8 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+from kernels import switched_on
+
 logger = logging.getLogger("shardserve.kernels")
 
 SOURCES = [
@@ -41,7 +43,7 @@ ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=haswell"]}
 
 
 def enabled() -> bool:
-    return os.environ.get("SHARDSERVE_CPU_KERNELS", "1").lower() not in ("0", "false", "off", "no")
+    return switched_on("SHARDSERVE_CPU_KERNELS")
 
 
 def isa() -> str:

@@ -28,10 +28,11 @@ import functools
 import logging
 import math
 import mmap
-import os
 import sys
 
 import torch
+
+from kernels import switched_on
 
 logger = logging.getLogger("shardserve.kernels")
 
@@ -48,7 +49,7 @@ def reuse_freed_memory() -> bool:
     returned to the OS and faulted in again; False where the C library is not glibc or refuses."""
     if not sys.platform.startswith("linux"):
         return False
-    if os.environ.get("SHARDSERVE_MALLOC_TUNING", "1").lower() in ("0", "false", "off", "no"):
+    if not switched_on("SHARDSERVE_MALLOC_TUNING"):
         logger.info("malloc left as it is (SHARDSERVE_MALLOC_TUNING=0)")
         return False
     try:

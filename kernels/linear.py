@@ -16,11 +16,12 @@ parallel layers only hold what it returns.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from kernels import switched_on
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Rows of activations up to which the native small-batch product beats oneDNN's packed one on float32 weights
@@ -29,7 +30,7 @@ SMALL_BATCH_MAX_ROWS = 8
 # Row counts up to which oneDNN's packed product runs on the rows as they are (see padded_rows)
 EXACT_ROWS_MAX = 256
 # SHARDSERVE_LINEAR_ROW_BUCKETS=0: every product on its rows as they are (to measure what the buckets do)
-ROW_BUCKETS = os.environ.get("SHARDSERVE_LINEAR_ROW_BUCKETS", "1").lower() not in ("0", "false", "off", "no")
+ROW_BUCKETS = switched_on("SHARDSERVE_LINEAR_ROW_BUCKETS")
 
 
 def padded_rows(rows: int) -> int:

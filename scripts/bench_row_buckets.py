@@ -20,7 +20,6 @@ import asyncio
 import datetime
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -65,13 +64,12 @@ def product_times(model_dir: str, dtype_name: str) -> dict:
 async def engine_times(model_dir: str, dtype: str, args) -> dict:
     from engine import AsyncLLMEngine, EngineConfig, SamplingParams
     from engine.checkpoint.model_config import load_model_config
-
-    rng = random.Random(args.seed)
+    from scripts.bench_serve_overhead import prompts
 
     vocab = load_model_config(model_dir).vocab_size
 
-    def prompt() -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(rng.randint(args.min_tokens, args.max_tokens))]
+    def spread(count: int, seed: int) -> list[list[int]]:
+        return prompts(count, args.max_tokens, vocab, seed=seed, min_length=args.min_tokens)
 
     async def run(prompts, concurrency: int, params) -> tuple[float, list[float]]:
         queue, generated, ttfts = list(enumerate(prompts)), 0, []
@@ -98,9 +96,9 @@ async def engine_times(model_dir: str, dtype: str, args) -> dict:
                                          max_num_batched_tokens=2048, enable_prefix_caching=False))
     try:
         await run([[5] * 64], 1, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
-        _, ttfts = await run([prompt() for _ in range(args.prompts)], 1,
+        _, ttfts = await run(spread(args.prompts, args.seed), 1,
                              SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-        tok_s, _ = await run([prompt() for _ in range(args.load_prompts)], args.load_concurrency,
+        tok_s, _ = await run(spread(args.load_prompts, args.seed + 1000), args.load_concurrency,
                              SamplingParams(temperature=1.0, max_tokens=128, ignore_eos=True))
     finally:
         engine.shutdown()
