@@ -109,11 +109,20 @@ class BlockManager:
         if cached:
             seq.num_computed_tokens += num_cached_tokens
             seq.num_registered_blocks = len(seq.block_table)  # they are the cache's own blocks
-        for _ in range(num_new):
-            seq.block_table.append(self._take_free_block())
+        seq.block_table.extend(self._take_free_blocks(num_new))
         self.register_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
         self._note_usage()
         return True
+
+    def _take_free_blocks(self, count: int) -> list[int]:
+        """`count` blocks from the front of the free queue, in address order.
+
+        The queue hands back a released sequence's blocks tail first (its eviction order), so taken as they
+        come a new prompt's blocks would lie in descending order, and the CPU's prefetchers follow ascending
+        address streams: decode attention over such a table took 1.4x the time of the same blocks in
+        ascending order (docs/BENCHMARKS.md, "Decode attention from memory"). Sorting changes which block
+        holds which of the sequence's tokens, not which blocks are taken."""
+        return sorted(self._take_free_block() for _ in range(count))
 
     def _take_free_block(self) -> int:
         block_id = self.free_queue.pop_front()
@@ -216,7 +225,7 @@ class BlockManager:
         reserve = self.watermark_blocks if admitting else 0
         if num_swapped + num_new + reserve > self.num_free_blocks:
             return None
-        device_blocks = [self._take_free_block() for _ in range(num_swapped + num_new)]
+        device_blocks = self._take_free_blocks(num_swapped + num_new)
         pairs = list(zip(seq.host_block_table, device_blocks))
         # the host blocks are read before anything can write them again: swap-ins run ahead of this
         # step's forward pass, later swap-outs behind it (and ranks guard it, engine/swap.py)

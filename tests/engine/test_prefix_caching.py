@@ -138,7 +138,7 @@ def test_freed_blocks_are_evicted_unnamed_first_then_lru_sequence_tail_before_he
     assert list(manager.free_queue) == [6, 7, 2, 1, 0, 5, 4, 3]
     taker = Request("taker", None, list(range(500, 520)), SamplingParams()).seqs[0]
     assert manager.allocate_slots(taker, 20)  # five blocks: the two unnamed ones, then old's tail first
-    assert taker.block_table == [6, 7, 2, 1, 0]
+    assert taker.block_table == [0, 1, 2, 6, 7]  # those five, in address order (test_scheduler.py)
     assert manager.num_evictions == 3
     # new's blocks survived: its prompt still finds all three
     again = Request("again", None, list(range(200, 212)) + [9], SamplingParams()).seqs[0]
@@ -233,7 +233,7 @@ def test_a_full_pool_of_cached_blocks_is_evicted_in_order_and_stays_exact(tiny_l
     assert list(manager.free_queue) == [20, 21, 22, 23, 3, 2, 1, 0, 7, 6, 5, 4, *range(19, 7, -1)]
     engine.add_request("other", other, greedy())  # 120 + 8 tokens: 8 blocks, 4 of them evicted
     outputs["other"] = engine.step()[0].outputs[0].token_ids
-    assert engine.requests["other"].seqs[0].block_table == [20, 21, 22, 23, 3, 2, 1, 0]
+    assert engine.requests["other"].seqs[0].block_table == [0, 1, 2, 3, 20, 21, 22, 23]  # in address order
     assert manager.num_evictions == 4
     while engine.has_unfinished_requests():
         for delta in engine.step():

@@ -44,6 +44,22 @@ def test_prompt_blocks_are_allocated_in_order_from_the_free_pool():
     assert manager.num_free_blocks == 11
 
 
+def test_blocks_released_tail_first_come_back_to_a_new_prompt_in_address_order():
+    # the free queue returns a finished sequence's blocks tail first (its eviction order); a prompt that takes
+    # them gets them ascending, the order decode attention reads fastest
+    manager = BlockManager(8, 4, watermark=0.0, enable_prefix_caching=True)
+    first = Request("first", None, list(range(100, 116)), SamplingParams()).seqs[0]
+    assert manager.allocate_slots(first, 16)
+    first.num_computed_tokens = 16
+    manager.free(first)
+    assert list(manager.free_queue)[-4:] == [3, 2, 1, 0]
+    taker = Request("taker", None, list(range(200, 232)), SamplingParams()).seqs[0]
+    assert manager.allocate_slots(taker, 32)
+    assert taker.block_table == list(range(8))
+    assert manager.num_evictions == 4
+    manager.check_invariants([taker])
+
+
 def test_decode_appends_a_block_only_when_the_last_one_fills():
     scheduler, manager = make_scheduler()
     seq = add_request(scheduler, 7)
