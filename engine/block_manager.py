@@ -119,7 +119,7 @@ class BlockManager:
 
         The queue hands back a released sequence's blocks tail first (its eviction order), so taken as they
         come a new prompt's blocks would lie in descending order, and the CPU's prefetchers follow ascending
-        address streams: decode attention over such a table took 1.4x the time of the same blocks in
+        address streams: decode attention over such tables takes 1.2-1.4x the time of the same blocks in
         ascending order (docs/BENCHMARKS.md, "Decode attention from memory"). Sorting changes which block
         holds which of the sequence's tokens, not which blocks are taken."""
         return sorted(self._take_free_block() for _ in range(count))

@@ -6,8 +6,9 @@ scripts/bench_cpu_kernels.py times decode attention on a cache small enough to s
 between calls; a serving engine's step reads each layer's blocks once, from memory. Here: the bench model's shapes
 (8 query / 4 KV heads, head_dim 64, bfloat16), 8 layers' caches of 256 MiB each (the CPU default's 2 GiB), a
 batch of --batch sequences of --context tokens, and one "step" runs the native kernel over the 8 layers in turn.
-Each sequence's blocks either lie together (as a fresh engine allocates a prompt's) or are scattered over the
-cache (as they end up once blocks have been freed and reused), and the caches are on 4 KiB pages or on 2 MiB
+Each sequence's blocks lie together (as a fresh engine allocates a prompt's), together but last first (as the free
+queue hands back a finished sequence's blocks, which the block manager now sorts), or scattered over the cache (as
+blocks freed and reused one at a time end up), and the caches are on 4 KiB pages or on 2 MiB
 pages (kernels/host_memory.py, as the engine allocates them). Prints ms per layer (median of --repeats steps)
 and the K/V read rate, beside the rate a torch sum reads 256 MiB at.
 """
@@ -40,12 +41,19 @@ def caches(huge: bool, layer_bytes: int, generator: torch.Generator) -> list[tor
     return made
 
 
-def block_tables(num_blocks: int, batch: int, context: int, together: bool, generator) -> torch.Tensor:
+LAYOUTS = ("together", "descending", "scattered")
+
+
+def block_tables(num_blocks: int, batch: int, context: int, layout: str, generator) -> torch.Tensor:
+    """Each sequence's blocks: `together` (ascending and adjacent, as a fresh engine allocates a prompt's),
+    `descending` (adjacent, last first: a prompt's blocks as the free queue returned a finished sequence's, tail
+    first, before the block manager sorted them) or `scattered` (anywhere, as blocks freed and reused one at a time)."""
     per = -(-context // BLOCK)
-    if together:
-        starts = torch.randperm(num_blocks // per, generator=generator)[:batch] * per
-        return (starts[:, None] + torch.arange(per)[None, :]).to(torch.int32)
-    return torch.randperm(num_blocks, generator=generator)[: batch * per].view(batch, per).to(torch.int32)
+    if layout == "scattered":
+        return torch.randperm(num_blocks, generator=generator)[: batch * per].view(batch, per).to(torch.int32)
+    starts = torch.randperm(num_blocks // per, generator=generator)[:batch] * per
+    offsets = torch.arange(per) if layout == "together" else torch.arange(per - 1, -1, -1)
+    return (starts[:, None] + offsets[None, :]).to(torch.int32)
 
 
 def sum_rate() -> float:
@@ -74,8 +82,8 @@ def main(argv=None) -> None:
     rows = []
     for huge in (False, True):
         layers = caches(huge, args.layer_mib * 2**20, generator)
-        for together in (True, False):
-            tables = block_tables(layers[0].shape[2], args.batch, args.context, together, generator)
+        for layout in LAYOUTS:
+            tables = block_tables(layers[0].shape[2], args.batch, args.context, layout, generator)
 
             def step(layers=layers, tables=tables):
                 return [native.paged_decode_attention(query, cache, tables, lens, 0.125) for cache in layers]
@@ -87,7 +95,7 @@ def main(argv=None) -> None:
                 step()
                 times.append((time.perf_counter() - start) / LAYERS)
             ms = statistics.median(times) * 1e3
-            rows.append(f"| {'2 MiB' if huge else '4 KiB'} | {'together' if together else 'scattered'} | "
+            rows.append(f"| {'2 MiB' if huge else '4 KiB'} | {layout} | "
                         f"{ms:.2f} | {kv_bytes / ms / 1e6:.1f} |")
             print(rows[-1], flush=True)
         del layers

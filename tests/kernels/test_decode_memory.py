@@ -47,12 +47,24 @@ def test_the_kv_cache_is_zeroed_and_on_huge_pages_where_linux_gives_them():
         assert backed == 0
 
 
+def test_block_layouts_hold_each_sequence_s_blocks_once_in_the_order_named():
+    from scripts.bench_decode_memory import block_tables
+
+    generator = torch.Generator().manual_seed(0)
+    together, descending, scattered = (block_tables(256, 4, 40, layout, generator)
+                                       for layout in ("together", "descending", "scattered"))
+    assert together.shape == descending.shape == scattered.shape == (4, 3)
+    assert ((together[:, 1:] - together[:, :-1]) == 1).all()
+    assert ((descending[:, 1:] - descending[:, :-1]) == -1).all()
+    assert len(set(scattered.flatten().tolist())) == 12
+
+
 def test_the_decode_memory_benchmark_times_each_page_size_and_block_layout(capsys):
     from scripts.bench_decode_memory import main
 
     main(["--batch", "4", "--context", "40", "--repeats", "1", "--layer-mib", "4"])
     # the table at the end (each row is also printed as it is measured)
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "ms" not in line][-4:]
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "ms" not in line][-6:]
     assert [tuple(cell.strip() for cell in row.split("|")[1:3]) for row in rows] == [
-        ("4 KiB", "together"), ("4 KiB", "scattered"), ("2 MiB", "together"), ("2 MiB", "scattered")]
+        (pages, layout) for pages in ("4 KiB", "2 MiB") for layout in ("together", "descending", "scattered")]
     assert all(float(row.split("|")[3]) > 0 for row in rows)
