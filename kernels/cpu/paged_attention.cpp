@@ -140,11 +140,14 @@ inline void block_values_any(const float* probs, const T* block, int64_t count, 
 // kAhead blocks ahead (a task reads its K blocks, then its V blocks): with the K/V of a batch read from memory,
 // not the cache, 4 blocks ahead took 0.84x the time of 1 (96 sequences x 576 tokens over 8 layers' 256 MiB
 // caches, Intel Xeon with AMX, docs/BENCHMARKS.md "Decode attention from memory"); 8 no better.
+// The lines are asked for into L2 (locality 2, PREFETCHT1), not L1 (3): the engine at concurrency 100 made
+// 1.03-1.06x the tokens a second with it, on fresh and on reused blocks (docs/BENCHMARKS.md, "Decode attention
+// from memory").
 constexpr int64_t kAhead = 4;
 
 inline void prefetch_block(const void* block, int64_t bytes) {
   const char* p = static_cast<const char*>(block);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 3);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 2);
 }
 
 // D > 0: head_dim known at compile time, AVX-512 or AVX2 code where the build has it; D == 0: any head_dim.
