@@ -55,6 +55,11 @@ INGRESS_CPUS = 0.1
 # as Serve's throughput-optimized mode runs them (without that mode's direct HTTP ingress), instead of three
 # threads handing every streamed message to each other (docs/BENCHMARKS.md "Routing across replicas")
 INGRESS_SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+# the engine replica's HTTP app (or its answer_http for the ingress) on Serve's own event loop too: by default Serve
+# runs user code on a second loop in a thread of its own, and every request and streamed message then crosses
+# between the two threads, each crossing a wake-up on the cores the engine computes on (docs/BENCHMARKS.md, "Serving
+# path: one event loop in the replica"). The engine steps on its own thread either way.
+REPLICA_SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 def served_model_name(args: ServeArgs) -> str:
@@ -107,11 +112,11 @@ def placement_group_bundles(args: ServeArgs) -> list[dict[str, float]]:
 
 def replica_actor_options(args: ServeArgs) -> dict[str, Any]:
     """Ray options of the replica process, rank 0: bundle 0's CPUs and accelerator."""
-    options: dict[str, Any] = {"num_cpus": args.cpus_per_rank}
+    options: dict[str, Any] = {"num_cpus": args.cpus_per_rank,
+                               "runtime_env": {"env_vars": {**REPLICA_SERVE_ENV, **replica_ray_actor_env(args)}}}
     accelerator = rank_accelerator(args)
     if "GPU" in accelerator:
         options["num_gpus"] = accelerator.pop("GPU")
-        options["runtime_env"] = {"env_vars": replica_ray_actor_env(args)}
     if accelerator:  # a custom resource
         options["resources"] = accelerator
     return options

@@ -12,7 +12,13 @@ from ray.serve.schema import ServeDeploySchema
 from app.autoscaling import METRICS_INTERVAL_S, QUEUE_DEPTH_METRIC, QueueDepthPolicy
 from app.cli import build_parser, serve_args_from
 from app.config import ServeArgs
-from app.deployment import build_app, deployment_options, max_ongoing_requests, placement_group_bundles
+from app.deployment import (
+    REPLICA_SERVE_ENV,
+    build_app,
+    deployment_options,
+    max_ongoing_requests,
+    placement_group_bundles,
+)
 from engine.config import EngineConfig
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "configs" / "serve.yaml"
@@ -87,7 +93,8 @@ def test_each_replica_asks_for_one_strict_pack_bundle_per_tp_rank():
     assert placement_group_bundles(ServeArgs(tensor_parallel_size=4, device="cuda")) == [{"CPU": 1.0, "GPU": 1}] * 4
     options = deployment_options(args)
     assert options["placement_group_strategy"] == "STRICT_PACK"
-    assert options["ray_actor_options"] == {"num_cpus": 0.5}  # the replica itself lives in bundle 0
+    # the replica itself lives in bundle 0, its HTTP app on Serve's own event loop
+    assert options["ray_actor_options"] == {"num_cpus": 0.5, "runtime_env": {"env_vars": REPLICA_SERVE_ENV}}
 
 
 def test_what_a_replica_asks_of_a_node_is_one_setting():
@@ -97,7 +104,8 @@ def test_what_a_replica_asks_of_a_node_is_one_setting():
     options = deployment_options(args)
     assert options["placement_group_bundles"] == [{"CPU": 0.5, "accel": 0.5}] * 2
     assert options["placement_group_strategy"] == "PACK"
-    assert options["ray_actor_options"] == {"num_cpus": 0.5, "resources": {"accel": 0.5}}
+    assert options["ray_actor_options"] == {"num_cpus": 0.5, "resources": {"accel": 0.5},
+                                            "runtime_env": {"env_vars": REPLICA_SERVE_ENV}}
     # the ingress asks for CPUs only: it runs on any node, the head included
     ingress = build_app(args.model_copy(update={"max_replicas": 2}))
     assert set(ingress._bound_deployment.ray_actor_options) == {"num_cpus", "runtime_env"}
@@ -139,9 +147,10 @@ def test_an_ingress_fronts_the_engine_replicas_wherever_the_request_router_serve
         ingress = build_app(ServeArgs(max_replicas=3, routing=routing, ingress_replicas=2))._bound_deployment
         engine = ingress.init_args[1]._bound_deployment
         assert (ingress.name, ingress.num_replicas, ingress.ray_actor_options["num_cpus"]) == ("OpenAIIngress", 2, 0.1)
-        # Serve's code, router and loop share one thread in the ingress process, not in the engine replicas
+        # Serve's code, router and loop share one thread in the ingress process; the engine replicas route
+        # nothing, and run their code on Serve's loop
         assert ingress.ray_actor_options["runtime_env"]["env_vars"]["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
-        assert "runtime_env" not in engine.ray_actor_options
+        assert engine.ray_actor_options["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
         assert engine.name == "LLMServer"
         router = engine._deployment_config.request_router_config
         assert router.request_router_kwargs["listener"] == "app.routing.telemetry:TELEMETRY"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from app.config import ServeArgs
+from app.deployment import REPLICA_SERVE_ENV
 from app.replica_device import ReplicaDeviceError, replica_device
 from engine.executor import gpu_devices
 from engine.executor.gpu_devices import (
@@ -71,7 +72,7 @@ def test_a_device_auto_deployment_asks_for_gpus_where_the_ray_cluster_has_them(f
     assert serve["bundles"] == [{"CPU": 1.0, "GPU": 1.0}] * 2
     options = serve["ray_actor_options"]
     assert options["num_gpus"] == 1
-    assert options["runtime_env"]["env_vars"] == {gpu_devices.NOSET_VISIBLE_DEVICES: "1"}
+    assert options["runtime_env"]["env_vars"] == {gpu_devices.NOSET_VISIBLE_DEVICES: "1", **REPLICA_SERVE_ENV}
 
 
 def test_a_replica_given_a_gpu_it_cannot_use_fails_loudly_instead_of_serving_on_cpu(monkeypatch):
