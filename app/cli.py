@@ -23,7 +23,12 @@ from pydantic import ValidationError
 from app.config import ServeArgs
 from app.control_plane import apply_control_plane
 from app.cpu_placement import keep_control_plane_off_compute_cores, plan_cpu_threads_bind
-from app.direct_ingress import direct_ingress_env, resolve_http_ingress
+from app.direct_ingress import (
+    CONTROLLER_CALLBACK_ENV,
+    NO_HEAD_PROXY,
+    direct_ingress_env,
+    resolve_http_ingress,
+)
 from app.ray_cluster import (
     adopt_orphaned_descendants,
     end_leftover_processes,
@@ -147,11 +152,13 @@ def serve(args: ServeArgs, ray_address: str | None = None) -> None:
         keep_control_plane_off_compute_cores(args)
     if ingress == "direct":  # set before Ray starts, as the proxy's middleware is: Serve reads them at import
         os.environ.update(direct_ingress_env(args.port))
-        proxy_port = 0  # the head's fallback proxy, off the replica's port: on one the system picks as it binds
+        # and no Serve proxy on the head node, unless the operator has a controller callback of their own
+        os.environ.setdefault(CONTROLLER_CALLBACK_ENV, NO_HEAD_PROXY)
+        proxy_port = 0  # a head proxy (an operator's own callback keeps it) off the replica's port: one the system picks
     from ray import serve as ray_serve
 
     from app.deployment import build_app, served_model_name
-    from app.drain import ClusterGone, drain_application, start_coordinator
+    from app.drain import ClusterGone, drain_application, open_board
 
     scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from other machines"
     ray_scope = ("Ray ports listen on 127.0.0.1 only" if ray_on_loopback else
@@ -168,7 +175,7 @@ def serve(args: ServeArgs, ray_address: str | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own SIGTERM handler
         signal.signal(sig, on_signal)
     try:
-        coordinator = start_coordinator(APP_NAME)  # before the replicas start: they look it up (app/drain.py)
+        board = open_board(APP_NAME)  # before the replicas start: they look for it (app/drain.py)
         # the proxy on the head node only, as configs/serve.yaml has it: worker nodes hold replicas
         ray_serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": proxy_port})
         failed: list[BaseException] = []
@@ -193,7 +200,7 @@ def serve(args: ServeArgs, ray_address: str | None = None) -> None:
         logger.info("draining: new requests get 503, in-flight ones have %.0f s (Ctrl-C again to stop now)",
                     args.shutdown_timeout)
         try:
-            pending = drain_application(coordinator, APP_NAME, args.shutdown_timeout, hurry,
+            pending = drain_application(board, APP_NAME, args.shutdown_timeout, hurry,
                                         local_cluster_alive if own_cluster else lambda: True)
         except ClusterGone as gone:
             logger.warning("the Ray cluster is gone (%s): not waiting for replicas", gone)

@@ -176,7 +176,7 @@ class LLMServer:
         # auto is decided here, where the replica runs, from the GPU Ray reserved for it (or not)
         self.args = self.args.model_copy(update={"device": replica_device(self.args)})
         model_dir = model_path(self.args)
-        # open HTTP requests, and graceful shutdown under the CLI (app/drain.py; without its coordinator,
+        # open HTTP requests, and graceful shutdown under the CLI (app/drain.py; without the CLI's drain board,
         # `drain` is None)
         self.drain_state = DrainState()
         # deltas reach the event loop as often as a stream may write (stream batching), not after every step
@@ -326,7 +326,7 @@ def _replica_id() -> str:
 
 
 def _app_name() -> str:
-    """The Serve application this replica belongs to (its drain coordinator is named after it)."""
+    """The Serve application this replica belongs to (its drain board is named after it)."""
     try:
         return serve.get_replica_context().app_name
     except Exception:  # noqa: BLE001 - outside a Serve replica (local testing mode)

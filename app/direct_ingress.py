@@ -39,6 +39,9 @@ MAX_PORT_ENV = "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"  # the range excludes it
 MIN_DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 # how long a stopped replica's port stays out of the pool (HAProxy's reloads need that; one port cannot wait)
 PORT_QUARANTINE_ENV = "RAY_SERVE_PORT_QUARANTINE_S"
+# a function Serve's controller calls as it starts (ray/serve/_private/controller.py)
+CONTROLLER_CALLBACK_ENV = "RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH"
+NO_HEAD_PROXY = "app.direct_ingress:no_head_proxy"
 
 
 def single_ingress_replica_reason(args: ServeArgs) -> str | None:
@@ -82,6 +85,26 @@ def direct_ingress_env(port: int) -> dict[str, str]:
         MIN_DRAINING_PERIOD_ENV: "0",
         PORT_QUARANTINE_ENV: "0",
     }
+
+
+def no_head_proxy() -> None:
+    """Serve's controller callback (RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH), run in the controller's process as
+    it starts: no node gets a Serve proxy. (`proxy_location="Disabled"` itself would also turn off the replica's
+    own HTTP server.)
+
+    With direct ingress Serve 2.60's controller overrides the proxy location with HeadOnly, to keep one proxy on
+    the head node for a load balancer to fall back on. `shardserve serve` moves that proxy to a port the system
+    picks, so nothing can reach it, but its process still wakes ~200 times a second on the cores the engine computes
+    on (Ray's core worker threads); stopping it measured +1-5% served throughput at concurrency 50
+    (docs/BENCHMARKS.md, "Serving path: one event loop in the replica, no idle proxy"). Where Serve's proxy manager
+    has no `_get_target_nodes` (another version), the proxy stays and nothing else changes."""
+    from ray.serve._private import proxy_state
+
+    manager = proxy_state.ProxyStateManager
+    if getattr(manager, "shardserve_no_proxies", False) or not hasattr(manager, "_get_target_nodes"):
+        return
+    manager._get_target_nodes = lambda self, proxy_nodes: []
+    manager.shardserve_no_proxies = True
 
 
 def reuse_the_port_of_a_dead_replica() -> None:

@@ -4,29 +4,32 @@ Ray Serve cannot do this by itself. Its replica drain waits for ongoing requests
 code anything (`__del__` runs after them), and `serve.shutdown()` kills the HTTP proxy at once, which
 cuts every open stream. So the CLI drains the application before it shuts Serve down:
 
-- a `DrainCoordinator`, a small named actor per application that the CLI starts, holds the drain's
-  deadline (`--shutdown-timeout` from the signal);
-- each replica's `ReplicaDrain` thread waits on it with one long call; once the drain begins, the
+- a `DrainBoard` in the GCS's key-value store (Ray's internal KV, which every Ray process reaches already) holds
+  the drain: the CLI opens it before the replicas start, and writes the drain's timeout (`--shutdown-timeout`)
+  on the signal. It has no process of its own: a named actor did this until 2026-12-05, and its process woke
+  ~150 times a second on the cores the engine computes on (docs/BENCHMARKS.md, "Serving path: one event loop in
+  the replica, no idle proxy");
+- each replica's `ReplicaDrain` thread looks for the drain every DRAIN_POLL_S; once it begins, the
   replica's `DrainGate` answers new requests 503 with Retry-After, in-flight requests run on until the
   deadline, the engine then aborts the rest (their streams end with finish_reason "abort" and
-  `[DONE]`), and the replica reports that it has drained;
+  `[DONE]`), and the replica reports on the board that it has drained;
 - the CLI waits for every live replica's report (or the deadline plus `ABORT_GRACE_S`), then shuts Serve
   and Ray down. Live means Serve still lists it: a replica that died (its engine, a TP worker, its node) never
   reports, and is not waited for. Every call to the cluster is bounded: a cluster that stopped answering (its
   processes were signalled too) ends the wait at once.
 
-Without a coordinator (`serve run configs/serve.yaml`) replicas skip all of this and Serve's own
-drain applies (`graceful_shutdown_timeout_s`).
+Without the CLI (`serve run configs/serve.yaml`) the board is not open, replicas skip all of this and Serve's
+own drain applies (`graceful_shutdown_timeout_s`).
 """
-
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -38,18 +41,19 @@ NAMESPACE = "shardserve"
 # after the deadline, how long aborted requests get to write their last chunk before the replica stops waiting
 ABORT_GRACE_S = 5.0
 POLL_S = 0.05
-# the longest the CLI waits on one call to the coordinator or Serve's controller before taking the cluster for gone
+# the longest the CLI waits on one call to the GCS or Serve's controller before taking the cluster for gone
 CLUSTER_CALL_TIMEOUT_S = 5.0
 # how often the drain asks Serve's controller which replicas it still lists
 LIVE_REPLICAS_PERIOD_S = 1.0
+# how often a replica looks for the drain on the board: a replica turns new requests away up to this much after the
+# signal, and each look is one small GCS call (a few wake-ups, against the ~150 a second of an actor's process)
+DRAIN_POLL_S = 0.25
+
+T = TypeVar("T")
 
 
 class ClusterGone(Exception):
     """The Ray cluster stopped answering during the drain (its own processes were signalled too, or died)."""
-
-
-def coordinator_name(app_name: str) -> str:
-    return f"drain-{app_name}"
 
 
 @dataclass
@@ -102,49 +106,100 @@ def finish_in_flight(state: DrainState, abort_all: Callable[[], None], timeout_s
     return left
 
 
-class DrainCoordinator:
-    """The named actor of one application (`ray.remote` in `start_coordinator`): the drain's deadline and
-    which replicas have drained."""
+class KeyValueStore(Protocol):
+    """What the drain board needs of a key-value store (the GCS's: `GcsKeyValue`)."""
 
-    def __init__(self):
-        self.deadline: float | None = None  # time.monotonic() of this actor's process
-        self.began = asyncio.Event()
-        self.replicas: set[str] = set()
-        self.drained: set[str] = set()
+    def get(self, key: str) -> bytes | None: ...
+
+    def put(self, key: str, value: bytes, overwrite: bool = True) -> None: ...
+
+    def delete(self, key: str, by_prefix: bool = False) -> None: ...
+
+    def keys(self, prefix: str) -> list[str]: ...
+
+
+class GcsKeyValue:
+    """Ray's internal key-value store in the GCS, in shardserve's namespace, from any process of the cluster (the
+    CLI's driver, a replica); each call gives up after CLUSTER_CALL_TIMEOUT_S (ray.exceptions.RpcError)."""
+
+    def __init__(self, timeout_s: float = CLUSTER_CALL_TIMEOUT_S):
+        from ray.experimental.internal_kv import internal_kv_get_gcs_client
+
+        self.gcs = internal_kv_get_gcs_client()
+        self.timeout_s = timeout_s
+        self.namespace = NAMESPACE.encode()
+
+    def get(self, key: str) -> bytes | None:
+        return self.gcs.internal_kv_get(key.encode(), namespace=self.namespace, timeout=self.timeout_s)
+
+    def put(self, key: str, value: bytes, overwrite: bool = True) -> None:
+        self.gcs.internal_kv_put(key.encode(), value, overwrite, namespace=self.namespace, timeout=self.timeout_s)
+
+    def delete(self, key: str, by_prefix: bool = False) -> None:
+        self.gcs.internal_kv_del(key.encode(), by_prefix, namespace=self.namespace, timeout=self.timeout_s)
+
+    def keys(self, prefix: str) -> list[str]:
+        return [key.decode() for key in
+                self.gcs.internal_kv_keys(prefix.encode(), namespace=self.namespace, timeout=self.timeout_s)]
+
+
+class DrainBoard:
+    """One application's drain, as keys under `drain/<app>/` of a key-value store that the CLI and the replicas
+    share:
+    - `cli`: a CLI serves this application and drains it on a signal (without it replicas leave the drain to Serve);
+    - `timeout`: the drain has begun, with this many seconds for the open requests (each replica counts them from
+      when it sees the key, at most DRAIN_POLL_S after the CLI wrote it; no clocks are shared across hosts);
+    - `open/<replica id>`: the replica waits for the drain; `drained/<replica id>`: it has drained. Both go when
+      Serve stops the replica (scaled down, replaced)."""
+
+    def __init__(self, app_name: str, store: KeyValueStore):
+        self.prefix = f"drain/{app_name}/"
+        self.store = store
+
+    def open(self) -> None:
+        """The CLI, before the replicas start: a fresh board (an earlier CLI's on a cluster it joined goes)."""
+        self.close()
+        self.store.put(self.prefix + "cli", b"1")
+
+    def close(self) -> None:
+        self.store.delete(self.prefix, by_prefix=True)
+
+    def is_open(self) -> bool:
+        return self.store.get(self.prefix + "cli") is not None
 
     def register(self, replica_id: str) -> None:
-        self.replicas.add(replica_id)
+        self.store.put(f"{self.prefix}open/{replica_id}", b"1")
 
     def unregister(self, replica_id: str) -> None:
         """A replica that Serve stopped (scaled down, replaced) has nothing left to drain."""
-        self.replicas.discard(replica_id)
+        self.store.delete(f"{self.prefix}open/{replica_id}")
+        self.store.delete(f"{self.prefix}drained/{replica_id}")
 
     def begin(self, timeout_s: float) -> None:
-        if self.deadline is None:
-            self.deadline = time.monotonic() + timeout_s
-            self.began.set()
+        """The drain begins (a second begin keeps the first timeout)."""
+        self.store.put(self.prefix + "timeout", repr(float(timeout_s)).encode(), overwrite=False)
 
-    async def wait_for_drain(self) -> float:
-        """Returns when the drain begins: the seconds left until its deadline (no clocks shared across hosts)."""
-        await self.began.wait()
-        return max(0.0, self.deadline - time.monotonic())
+    def began(self) -> float | None:
+        """The drain's timeout once it has begun, else None."""
+        value = self.store.get(self.prefix + "timeout")
+        return None if value is None else float(value)
 
     def report_drained(self, replica_id: str) -> None:
-        self.drained.add(replica_id)
+        self.store.put(f"{self.prefix}drained/{replica_id}", b"1")
 
     def pending(self, live: list[str] | None = None) -> list[str]:
         """Replicas that have not drained yet, of those still `live` (all registered ones if None)."""
-        replicas = self.replicas if live is None else self.replicas & set(live)
-        return sorted(replicas - self.drained)
+        registered = {key.rsplit("/", 1)[1] for key in self.store.keys(self.prefix + "open/")}
+        drained = {key.rsplit("/", 1)[1] for key in self.store.keys(self.prefix + "drained/")}
+        replicas = registered if live is None else registered & set(live)
+        return sorted(replicas - drained)
 
 
-def start_coordinator(app_name: str):
-    """Start the application's DrainCoordinator actor (the CLI does, before `serve.run`); returns its handle."""
-    import ray
-
-    actor = ray.remote(DrainCoordinator).options(name=coordinator_name(app_name), namespace=NAMESPACE,
-                                                 num_cpus=0, max_concurrency=1000)
-    return actor.remote()
+def open_board(app_name: str) -> DrainBoard:
+    """The application's drain board, opened (the CLI does, before `serve.run`)."""
+    board = DrainBoard(app_name, GcsKeyValue())
+    board.open()
+    return board
 
 
 def answer(ref, cluster_alive: Callable[[], bool]):
@@ -160,6 +215,23 @@ def answer(ref, cluster_alive: Callable[[], bool]):
     return ray.get(ref)
 
 
+def bounded(call: Callable[[], T], cluster_alive: Callable[[], bool]) -> T:
+    """`call()` (a GCS call, bounded by its own timeout), given up at once where the cluster's processes exit."""
+    import ray
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardserve-drain-call")
+    try:
+        future = pool.submit(call)
+        while True:
+            try:
+                return future.result(timeout=POLL_S)
+            except concurrent.futures.TimeoutError:
+                if not cluster_alive():
+                    raise ray.exceptions.RaySystemError("the cluster's own processes have exited") from None
+    finally:
+        pool.shutdown(wait=False)  # a call to a cluster that has gone ends by its own timeout, unwaited for
+
+
 def live_replicas(app_name: str, cluster_alive: Callable[[], bool]) -> list[str]:
     """The ids of the application's replicas that Serve's controller still lists (starting, running, stopping)."""
     import ray
@@ -172,7 +244,7 @@ def live_replicas(app_name: str, cluster_alive: Callable[[], bool]) -> list[str]
             for replica in deployment.get("replicas", [])]
 
 
-def drain_application(coordinator, app_name: str, timeout_s: float, hurry: threading.Event,
+def drain_application(board: DrainBoard, app_name: str, timeout_s: float, hurry: threading.Event,
                       cluster_alive: Callable[[], bool]) -> list[str]:
     """Begin the drain and wait until every live replica has drained, or the deadline plus ABORT_GRACE_S, or
     until `hurry` is set (a second Ctrl-C). Returns the replicas that had not drained; raises ClusterGone when
@@ -181,12 +253,12 @@ def drain_application(coordinator, app_name: str, timeout_s: float, hurry: threa
 
     give_up = time.monotonic() + timeout_s + ABORT_GRACE_S + 1.0
     try:
-        answer(coordinator.begin.remote(timeout_s), cluster_alive)
+        bounded(lambda: board.begin(timeout_s), cluster_alive)
         listed_at = -LIVE_REPLICAS_PERIOD_S
         while True:
             if time.monotonic() - listed_at >= LIVE_REPLICAS_PERIOD_S:  # the controller's details are not cheap
                 live, listed_at = live_replicas(app_name, cluster_alive), time.monotonic()
-            pending = answer(coordinator.pending.remote(live), cluster_alive)
+            pending = bounded(lambda: board.pending(live), cluster_alive)  # noqa: B023 - called at once
             if not pending or time.monotonic() > give_up or hurry.wait(POLL_S):
                 return pending
     except (ray.exceptions.RayError, ValueError) as gone:  # a timeout is a RayError; ValueError: no such actor
@@ -194,46 +266,57 @@ def drain_application(coordinator, app_name: str, timeout_s: float, hurry: threa
 
 
 class ReplicaDrain:
-    """A replica's link to its application's coordinator: a thread that waits for the drain, then runs it."""
+    """A replica's part in the CLI's drain: a thread that looks for it on the board, then runs it."""
 
-    def __init__(self, coordinator, replica_id: str, state: DrainState, abort_all: Callable[[], None]):
-        self.coordinator = coordinator
+    def __init__(self, board: DrainBoard, replica_id: str, state: DrainState, abort_all: Callable[[], None],
+                 poll_s: float = DRAIN_POLL_S):
+        self.board = board
         self.replica_id = replica_id
         self.state = state
         self.abort_all = abort_all
+        self.poll_s = poll_s
+        self.detached = threading.Event()
         self.thread = threading.Thread(target=self._run, name="shardserve-drain", daemon=True)
         self.thread.start()
 
     @classmethod
     def attach(cls, app_name: str, replica_id: str, state: DrainState,
                abort_all: Callable[[], None]) -> ReplicaDrain | None:
-        """The replica's drain, if the application has a coordinator (the CLI started one); else None."""
+        """The replica's drain, where a CLI opened the application's board; else None."""
         import ray
 
         if not ray.is_initialized():  # Serve's local testing mode
             return None
+        board = DrainBoard(app_name, GcsKeyValue())
         try:
-            coordinator = ray.get_actor(coordinator_name(app_name), namespace=NAMESPACE)
-        except ValueError:  # `serve run`: no coordinator, Serve's own drain
+            if not board.is_open():  # `serve run`: no CLI, Serve's own drain
+                return None
+        except ray.exceptions.RayError:
             return None
-        return cls(coordinator, replica_id, state, abort_all)
+        return cls(board, replica_id, state, abort_all)
 
     def _run(self) -> None:
         import ray
 
         try:
-            ray.get(self.coordinator.register.remote(self.replica_id))
-            timeout_s = ray.get(self.coordinator.wait_for_drain.remote())
-        except ray.exceptions.RayError:  # the coordinator is gone: the CLI left without a drain
+            self.board.register(self.replica_id)
+            while (timeout_s := self.board.began()) is None:
+                if self.detached.wait(self.poll_s):
+                    return
+        except ray.exceptions.RayError:  # the GCS is gone: the cluster went without a drain
             return
         logger.info("drain: no new requests; %d open, %.1f s to finish", self.state.in_flight, timeout_s)
         aborted = finish_in_flight(self.state, self.abort_all, timeout_s)
         logger.info("drain: done (%d aborted)", aborted)
-        self.coordinator.report_drained.remote(self.replica_id)
+        try:
+            self.board.report_drained(self.replica_id)
+        except ray.exceptions.RayError:
+            pass
 
     def detach(self) -> None:
-        """The replica is stopping: the coordinator no longer waits for it."""
+        """The replica is stopping: the board no longer waits for it."""
+        self.detached.set()
         try:
-            self.coordinator.unregister.remote(self.replica_id)
+            self.board.unregister(self.replica_id)
         except Exception:  # noqa: BLE001 - Ray may already be shutting down
             pass

@@ -1,5 +1,6 @@
-"""A replica's drain (app/drain.py) without Ray: the gate, the wait-then-abort rule, the coordinator's bookkeeping,
-and what a request aborted at the deadline returns."""
+"""A replica's drain (app/drain.py) without Ray: the gate, the wait-then-abort rule, the drain board's bookkeeping
+(on a key-value store in memory in place of the GCS's), a replica's part in a drain, and what a request aborted at the
+deadline returns. tests/app/test_cli_serve.py drains a real server through the GCS."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import httpx
 
 from app.config import ServeArgs
 from app.deployment import build_replica_app
-from app.drain import ABORT_GRACE_S, DrainCoordinator, DrainGate, DrainState, finish_in_flight
+from app.drain import ABORT_GRACE_S, DrainBoard, DrainGate, DrainState, ReplicaDrain, finish_in_flight
 from app.observability.replica import ReplicaObservability
 from engine import AsyncLLMEngine
 from engine.config import EngineConfig
@@ -85,31 +86,96 @@ def test_a_drain_aborts_what_is_still_open_at_the_deadline():
     assert 0.3 <= time.monotonic() - started < ABORT_GRACE_S
 
 
-async def test_the_coordinator_hands_out_the_time_left_and_tracks_which_replicas_drained():
-    coordinator = DrainCoordinator()
-    coordinator.register("a")
-    coordinator.register("b")
-    waiting = asyncio.create_task(coordinator.wait_for_drain())
-    await asyncio.sleep(0.05)
-    assert not waiting.done()  # nothing happens before the signal
-    coordinator.begin(30.0)
-    assert 29.0 < await waiting <= 30.0
-    coordinator.begin(0.0)  # a second begin keeps the first deadline
-    assert 29.0 < await coordinator.wait_for_drain() <= 30.0
-    assert coordinator.pending() == ["a", "b"]
-    coordinator.report_drained("a")
-    coordinator.unregister("b")  # Serve stopped it: nothing to wait for
-    assert coordinator.pending() == []
+class MemoryKeyValue:
+    """The GCS's key-value store as the board uses it, in a dict."""
+
+    def __init__(self):
+        self.items: dict[str, bytes] = {}
+
+    def get(self, key: str) -> bytes | None:
+        return self.items.get(key)
+
+    def put(self, key: str, value: bytes, overwrite: bool = True) -> None:
+        if overwrite or key not in self.items:
+            self.items[key] = value
+
+    def delete(self, key: str, by_prefix: bool = False) -> None:
+        for name in [name for name in self.items if (name.startswith(key) if by_prefix else name == key)]:
+            del self.items[name]
+
+    def keys(self, prefix: str) -> list[str]:
+        return [name for name in self.items if name.startswith(prefix)]
+
+
+def test_the_board_holds_the_timeout_and_which_replicas_drained():
+    store = MemoryKeyValue()
+    board = DrainBoard("app", store)
+    assert not board.is_open()  # `serve run`: replicas leave the drain to Serve
+    store.put("drain/app/open/stale", b"1")  # an earlier CLI's, on a cluster this one joined
+    board.open()
+    assert board.is_open() and board.pending() == []
+    board.register("a")
+    board.register("b")
+    assert board.began() is None  # nothing happens before the signal
+    board.begin(30.0)
+    board.begin(0.0)  # a second begin keeps the first timeout
+    assert board.began() == 30.0
+    assert board.pending() == ["a", "b"]
+    board.report_drained("a")
+    board.unregister("b")  # Serve stopped it: nothing to wait for
+    assert board.pending() == []
+    assert DrainBoard("other-app", store).began() is None  # each application has its own drain
+    board.close()
+    assert store.items == {}
 
 
 def test_the_drain_waits_only_for_replicas_serve_still_lists():
     # a replica that died (its engine, a TP worker, its node) never unregisters nor reports
-    coordinator = DrainCoordinator()
+    board = DrainBoard("app", MemoryKeyValue())
+    board.open()
     for replica in ("dead", "replacement", "other"):
-        coordinator.register(replica)
-    coordinator.report_drained("other")
-    assert coordinator.pending(live=["replacement", "other", "ingress"]) == ["replacement"]
-    assert coordinator.pending() == ["dead", "replacement"]
+        board.register(replica)
+    board.report_drained("other")
+    assert board.pending(live=["replacement", "other", "ingress"]) == ["replacement"]
+    assert board.pending() == ["dead", "replacement"]
+
+
+def test_a_replica_drains_when_the_board_says_so_and_reports_it():
+    board = DrainBoard("app", MemoryKeyValue())
+    board.open()
+    state = DrainState(in_flight=1)
+    aborts = []
+
+    def abort_all():
+        aborts.append(1)
+        state.in_flight = 0
+
+    drain = ReplicaDrain(board, "r1", state, abort_all, poll_s=0.01)
+    deadline = time.monotonic() + 5
+    while board.pending() != ["r1"]:  # registered, waiting
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert not state.draining  # it admits requests until the board says otherwise
+    board.begin(0.2)
+    drain.thread.join(timeout=5)
+    assert not drain.thread.is_alive()
+    assert state.draining and aborts  # the request still open at the deadline was aborted
+    assert board.pending() == []  # and the replica reported
+
+
+def test_a_detached_replica_stops_looking_and_leaves_the_board():
+    board = DrainBoard("app", MemoryKeyValue())
+    board.open()
+    drain = ReplicaDrain(board, "r1", DrainState(), lambda: None, poll_s=0.01)
+    deadline = time.monotonic() + 5
+    while board.pending() != ["r1"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    drain.detach()
+    drain.thread.join(timeout=5)
+    assert not drain.thread.is_alive()
+    assert board.pending() == []
 
 
 async def test_a_request_aborted_at_the_deadline_returns_its_partial_text_with_finish_reason_abort(tiny_llama_dir):
