@@ -155,6 +155,12 @@ def deployment_options(args: ServeArgs) -> dict[str, Any]:
         options["request_router_config"] = request_router_config(routing, listener=LISTENER)
     if args.num_replicas is not None:
         options["num_replicas"] = args.num_replicas
+    elif args.min_replicas == args.max_replicas:
+        # nothing to scale (the default, 1 and 1): with an autoscaling config each replica would still record its
+        # queue depth and push it to Serve's controller every METRICS_INTERVAL_S, and the controller would run the
+        # policy on it, for nothing; served at concurrency 50 that cost 1.6-3.6% (docs/BENCHMARKS.md, "Serving
+        # path: one event loop in the replica, no idle proxy")
+        options["num_replicas"] = args.min_replicas
     else:
         options["autoscaling_config"] = autoscaling_config(
             args.min_replicas, args.max_replicas, args.target_queue_depth, args.upscale_delay_s,

@@ -125,6 +125,10 @@ def test_autoscaling_config_is_used_unless_replicas_are_fixed():
     assert config["policy"]["policy_kwargs"] == {"target_queue_depth": 3}
     fixed = deployment_options(ServeArgs(num_replicas=2))
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+    # nothing to scale between equal bounds (the default, 1 and 1): fixed, with no metrics pushed for a policy
+    for low in (1, 3):
+        equal = deployment_options(ServeArgs(min_replicas=low, max_replicas=low))
+        assert equal["num_replicas"] == low and "autoscaling_config" not in equal
 
 
 def test_the_request_router_serves_only_where_there_can_be_several_replicas():
