@@ -58,7 +58,7 @@ INGRESS_SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SER
 # the engine replica's HTTP app (or its answer_http for the ingress) on Serve's own event loop too: by default Serve
 # runs user code on a second loop in a thread of its own, and every request and streamed message then crosses
 # between the two threads, each crossing a wake-up on the cores the engine computes on (docs/BENCHMARKS.md, "Serving
-# path: one event loop in the replica"). The engine steps on its own thread either way.
+# path: one event loop in the replica, no idle proxy"). The engine steps on its own thread either way.
 REPLICA_SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 

@@ -21,6 +21,7 @@ cuts every open stream. So the CLI drains the application before it shuts Serve 
 Without the CLI (`serve run configs/serve.yaml`) the board is not open, replicas skip all of this and Serve's
 own drain applies (`graceful_shutdown_timeout_s`).
 """
+
 from __future__ import annotations
 
 import concurrent.futures

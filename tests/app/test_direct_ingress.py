@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -64,6 +66,26 @@ def test_the_port_range_is_the_port_alone():
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
 
 
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:  # it exited meanwhile
+        return ""
+
+
+def test_the_controller_callback_places_no_proxy_on_any_node():
+    # in a process of its own, as in Serve's controller: the patch is to Serve's class
+    code = ("from app.direct_ingress import no_head_proxy\n"
+            "from ray.serve._private.proxy_state import ProxyStateManager\n"
+            "no_head_proxy()\n"
+            "no_head_proxy()  # a second call changes nothing\n"
+            "print(ProxyStateManager._get_target_nodes(None, {'head-node-id'}))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
 def _listener_command(server_pid: int, port: int) -> str:
     """The command line (Ray's process title) of the process that listens on `port`."""
     pids = [pid for pid, _, p in _listening_sockets_of_process_tree(server_pid) if p == port]
@@ -95,6 +117,9 @@ async def test_what_answers_the_port_and_what_it_keeps(tiny_llama_dir, tmp_path,
     try:
         await asyncio.to_thread(wait_until_healthy, server, port, log)
         assert listener in _listener_command(server.pid, port)
+        # direct ingress keeps no idle proxy beside the replica (app.direct_ingress.no_head_proxy)
+        proxies = [pid for pid in _process_tree(server.pid) if "ProxyActor" in _command_line(pid)]
+        assert bool(proxies) == (mode == "proxy"), proxies
 
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
         stream = await client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6,
