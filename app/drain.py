@@ -24,7 +24,6 @@ own drain applies (`graceful_shutdown_timeout_s`).
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
@@ -216,21 +215,33 @@ def answer(ref, cluster_alive: Callable[[], bool]):
     return ray.get(ref)
 
 
-def bounded(call: Callable[[], T], cluster_alive: Callable[[], bool]) -> T:
-    """`call()` (a GCS call, bounded by its own timeout), given up at once where the cluster's processes exit."""
+def bounded(call: Callable[[], T], cluster_alive: Callable[[], bool], timeout_s: float = CLUSTER_CALL_TIMEOUT_S) -> T:
+    """`call()` (calls to the GCS or Serve's controller) on a thread of its own, given up at once where the cluster's
+    processes exit and after `timeout_s` in any case: a Ray call into a GCS that is going away can block for a minute
+    (Ray's client waits 60 s for the GCS to come back, then ends the process), and the CLI must not wait for it."""
     import ray
 
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardserve-drain-call")
-    try:
-        future = pool.submit(call)
-        while True:
-            try:
-                return future.result(timeout=POLL_S)
-            except concurrent.futures.TimeoutError:
-                if not cluster_alive():
-                    raise ray.exceptions.RaySystemError("the cluster's own processes have exited") from None
-    finally:
-        pool.shutdown(wait=False)  # a call to a cluster that has gone ends by its own timeout, unwaited for
+    outcome: list = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as error:  # noqa: BLE001 - raised again on the caller's thread
+            outcome.append((False, error))
+        done.set()
+
+    threading.Thread(target=run, name="shardserve-drain-call", daemon=True).start()
+    give_up = time.monotonic() + timeout_s
+    while not done.wait(POLL_S):
+        if not cluster_alive():
+            raise ray.exceptions.RaySystemError("the cluster's own processes have exited")
+        if time.monotonic() > give_up:
+            raise ray.exceptions.GetTimeoutError(f"no answer within {timeout_s:.0f} s")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def live_replicas(app_name: str, cluster_alive: Callable[[], bool]) -> list[str]:
@@ -258,7 +269,10 @@ def drain_application(board: DrainBoard, app_name: str, timeout_s: float, hurry:
         listed_at = -LIVE_REPLICAS_PERIOD_S
         while True:
             if time.monotonic() - listed_at >= LIVE_REPLICAS_PERIOD_S:  # the controller's details are not cheap
-                live, listed_at = live_replicas(app_name, cluster_alive), time.monotonic()
+                # ray.get_actor asks the GCS, with no timeout of its own
+                live = bounded(lambda: live_replicas(app_name, cluster_alive), cluster_alive,
+                               2 * CLUSTER_CALL_TIMEOUT_S)
+                listed_at = time.monotonic()
             pending = bounded(lambda: board.pending(live), cluster_alive)  # noqa: B023 - called at once
             if not pending or time.monotonic() > give_up or hurry.wait(POLL_S):
                 return pending

@@ -112,7 +112,7 @@ DELIVERIES = {
 def stop_idle_server(server: subprocess.Popen, log: Path, deliver, what: str) -> None:
     """Signal the idle server as `deliver` does; it exits 0 well within the bound and leaves no process."""
     tree = _process_tree(server.pid)
-    assert len(tree) >= 5, tree  # the CLI, GCS, raylet, Serve's controller, proxy and replica at least
+    assert len(tree) >= 5, tree  # the CLI, GCS, raylet, Serve's controller and replica at least
     signalled = time.monotonic()
     deliver(server)
     assert server.wait(timeout=90) == 0, log.read_text()[-3000:]

@@ -9,10 +9,19 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from app.config import ServeArgs
 from app.deployment import build_replica_app
-from app.drain import ABORT_GRACE_S, DrainBoard, DrainGate, DrainState, ReplicaDrain, finish_in_flight
+from app.drain import (
+    ABORT_GRACE_S,
+    DrainBoard,
+    DrainGate,
+    DrainState,
+    ReplicaDrain,
+    bounded,
+    finish_in_flight,
+)
 from app.observability.replica import ReplicaObservability
 from engine import AsyncLLMEngine
 from engine.config import EngineConfig
@@ -176,6 +185,26 @@ def test_a_detached_replica_stops_looking_and_leaves_the_board():
     drain.thread.join(timeout=5)
     assert not drain.thread.is_alive()
     assert board.pending() == []
+
+
+def test_a_call_to_the_cluster_is_given_up_once_the_cluster_is_gone_or_after_its_bound():
+    import ray
+
+    assert bounded(lambda: 7, lambda: True) == 7
+    with pytest.raises(KeyError):  # the call's own error, on the caller's thread
+        bounded(lambda: {}["missing"], lambda: True)
+    blocked = threading.Event()  # a call into a GCS that is going away, which Ray would hold for a minute
+    alive = [True]
+    threading.Timer(0.2, lambda: alive.__setitem__(0, False)).start()
+    started = time.monotonic()
+    with pytest.raises(ray.exceptions.RaySystemError):
+        bounded(blocked.wait, lambda: alive[0], timeout_s=30)
+    assert time.monotonic() - started < 5
+    started = time.monotonic()
+    with pytest.raises(ray.exceptions.GetTimeoutError):  # a cluster of others' (always "alive" to us)
+        bounded(blocked.wait, lambda: True, timeout_s=0.3)
+    assert time.monotonic() - started < 5
+    blocked.set()
 
 
 async def test_a_request_aborted_at_the_deadline_returns_its_partial_text_with_finish_reason_abort(tiny_llama_dir):
