@@ -202,19 +202,6 @@ def open_board(app_name: str) -> DrainBoard:
     return board
 
 
-def answer(ref, cluster_alive: Callable[[], bool]):
-    """The value of one call to the cluster, waited for up to CLUSTER_CALL_TIMEOUT_S while the cluster is alive."""
-    import ray
-
-    give_up = time.monotonic() + CLUSTER_CALL_TIMEOUT_S
-    while not ray.wait([ref], timeout=POLL_S)[0]:
-        if not cluster_alive():
-            raise ray.exceptions.RaySystemError("the cluster's own processes have exited")
-        if time.monotonic() > give_up:
-            raise ray.exceptions.GetTimeoutError(f"no answer within {CLUSTER_CALL_TIMEOUT_S:.0f} s")
-    return ray.get(ref)
-
-
 def bounded(call: Callable[[], T], cluster_alive: Callable[[], bool], timeout_s: float = CLUSTER_CALL_TIMEOUT_S) -> T:
     """`call()` (calls to the GCS or Serve's controller) on a thread of its own, given up at once where the cluster's
     processes exit and after `timeout_s` in any case: a Ray call into a GCS that is going away can block for a minute
@@ -244,13 +231,14 @@ def bounded(call: Callable[[], T], cluster_alive: Callable[[], bool], timeout_s:
     return value
 
 
-def live_replicas(app_name: str, cluster_alive: Callable[[], bool]) -> list[str]:
-    """The ids of the application's replicas that Serve's controller still lists (starting, running, stopping)."""
+def live_replicas(app_name: str) -> list[str]:
+    """The ids of the application's replicas that Serve's controller still lists (starting, running, stopping).
+    Unbounded: the drain calls it through `bounded`."""
     import ray
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    details = answer(controller.get_serve_instance_details.remote(), cluster_alive)
+    details = ray.get(controller.get_serve_instance_details.remote())
     app = (details.get("applications") or {}).get(app_name) or {}
     return [replica["replica_id"] for deployment in app.get("deployments", {}).values()
             for replica in deployment.get("replicas", [])]
@@ -270,9 +258,7 @@ def drain_application(board: DrainBoard, app_name: str, timeout_s: float, hurry:
         while True:
             if time.monotonic() - listed_at >= LIVE_REPLICAS_PERIOD_S:  # the controller's details are not cheap
                 # ray.get_actor asks the GCS, with no timeout of its own
-                live = bounded(lambda: live_replicas(app_name, cluster_alive), cluster_alive,
-                               2 * CLUSTER_CALL_TIMEOUT_S)
-                listed_at = time.monotonic()
+                live, listed_at = bounded(lambda: live_replicas(app_name), cluster_alive), time.monotonic()
             pending = bounded(lambda: board.pending(live), cluster_alive)  # noqa: B023 - called at once
             if not pending or time.monotonic() > give_up or hurry.wait(POLL_S):
                 return pending
