@@ -199,8 +199,8 @@ def _native_cpu_backend(target: str, reference_bf16_prefill: bool) -> KernelBack
 # Chunks of at most this many queries (speculative verifications, short prompt tails) keep the native kernel even
 # where reference_bf16_prefill_is_faster: its dense row packing makes a 5-query chunk ~3x faster than the
 # reference, which pads and gathers; the two cross between 16 and 32 queries (docs/BENCHMARKS.md, "Speculative
-# decoding (n-gram), offline" and the verification row of "Kernels", Intel Xeon with AMX, 2026-12-03). The native
-# build's AMX tile kernel takes longer chunks on its own (kAmxShortestChunk in kernels/cpu/paged_attention.cpp).
+# decoding (n-gram), offline" and the verification row of "Kernels", Intel Xeon with AMX, 2026-12-03). Where the
+# native build has its AMX tile kernel (the reference is then never faster), that kernel takes every chunk.
 NATIVE_BF16_PREFILL_MAX_QUERY_ON_AMX = 16
 
 

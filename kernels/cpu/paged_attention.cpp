@@ -363,8 +363,7 @@ template <typename T>
 void prefill_attention(
     const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
     const int32_t* query_start_loc, const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
-    int64_t num_kv_heads, int64_t num_blocks, int64_t max_blocks, int64_t dim, float scale,
-    int64_t longest_chunk = INT64_MAX) {
+    int64_t num_kv_heads, int64_t num_blocks, int64_t max_blocks, int64_t dim, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_stride = num_blocks * kKeys * dim;
   const int64_t rows = group * kQueryTile;
@@ -373,7 +372,6 @@ void prefill_attention(
   std::vector<Task> tasks;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t q_len = query_start_loc[seq + 1] - query_start_loc[seq];
-    if (q_len > longest_chunk) continue;  // the AMX kernel's
     for (int64_t first = 0; first < q_len; first += kQueryTile)
       for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) tasks.push_back({seq, kv_head, first});
   }
@@ -447,14 +445,19 @@ void prefill_attention(
 // instead of AVX-512 FMAs, which is what let torch's own attention (oneDNN) beat the vector kernel above there.
 //
 // A task is one (sequence, KV head) chunk, so its keys and values are laid out once for the tiles and shared by
-// every query head of the group and every 16-query tile of the chunk:
-//   keys:   for each 16 keys and 32 dims, the B operand of Q K^T: 16 rows (dim pairs) x 16 keys x 2 bfloat16s;
-//   values: for each 32 keys and 16 dims, the B operand of P V: 16 rows (key pairs) x 16 dims x 2 bfloat16s;
-// both zero past the context. Then for each query head and 16 queries: the scores of every key the last query
-// sees (the query rows are the A operand, read from `query` with its row stride), their softmax in float32 on
-// AVX-512 (scaled, causal, past-the-context keys at zero weight), the weights rounded to bfloat16 as the A
-// operand of P V (as torch's bfloat16 attention rounds them), and the output normalised by the float32 sums.
-// Every tile is 16 rows x 64 bytes: one configuration. Scores, weights and outputs stay in this thread's buffers.
+// every query head of the group and every 16-row tile of the chunk:
+//   keys:   for each 16 keys and 32 dims, the B operand of Q K^T: 16 rows (dim pairs) x 16 keys x 2 bfloat16s
+//           (one gather of a dim pair's 16 keys per row);
+//   values: for each 32 keys and 16 dims, the B operand of P V: 16 rows (key pairs) x 16 dims x 2 bfloat16s
+//           (one two-source permute of a key pair's rows per 16 dims);
+// values zero past the context. The chunk's rows, (query head of the group, position) head by head, are cut into
+// tiles of 16: a long chunk's tile is 16 positions of one head, a short chunk (a speculative verification of a few
+// positions) packs every head of the group into one tile. For each tile: the scores of every key its last row sees
+// (the rows are the A operand, read from `query` with its row stride where they are 16 positions of one head, else
+// through a zero-padded copy), each row's softmax in float32 on AVX-512 (scaled, causal, past-the-context keys at
+// zero weight), the weights rounded to bfloat16 as the A operand of P V (as torch's bfloat16 attention rounds
+// them), and the output normalised by the float32 sums. Every tile is 16 rows x 64 bytes: one configuration.
+// Scores, weights and outputs stay in this thread's buffers.
 
 // Linux gives a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
 bool amx_permitted() {
@@ -481,12 +484,43 @@ void load_tile_config() {
   _tile_loadconfig(&config);
 }
 
+// One cache block's 16 keys (`count` of them live) as the B operands of Q K^T, D / 32 of them: row w of part p is
+// the dim pair 16 p + w of each key, one 32-bit gather per row; keys past `count` zero.
+template <int D>
+inline void keys_as_tiles(const uint16_t* block, int64_t count, uint32_t* dst) {
+  const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(D / 2));
+  const __mmask16 live = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(block);
+  for (int w = 0; w < D / 2; ++w)
+    _mm512_storeu_si512(dst + (w / 16) * 256 + (w % 16) * 16,
+                        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, stride, words + w, 4));
+}
+
+// One key pair's value rows (either may be null: past the context, zeros) as row `pair` of the B operands of P V:
+// for each 16 dims g, the 16 (first, second) bfloat16 pairs, at dst + g * 256 words.
+template <int D>
+inline void value_pair_as_tiles(const uint16_t* first, const uint16_t* second, int64_t pair, uint32_t* dst) {
+  // output lane 2 d takes the first row's dim d, lane 2 d + 1 the second's (+ 16 for the upper 16 of 32 dims)
+  alignas(64) static const uint16_t kLower[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kUpper[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lower = _mm512_load_si512(kLower), upper = _mm512_load_si512(kUpper);
+  for (int half = 0; half < D / 32; ++half) {
+    const __m512i a = first ? _mm512_loadu_si512(first + half * 32) : _mm512_setzero_si512();
+    const __m512i b = second ? _mm512_loadu_si512(second + half * 32) : _mm512_setzero_si512();
+    _mm512_storeu_si512(dst + (2 * half) * 256 + pair * 16, _mm512_permutex2var_epi16(a, lower, b));
+    _mm512_storeu_si512(dst + (2 * half + 1) * 256 + pair * 16, _mm512_permutex2var_epi16(a, upper, b));
+  }
+}
+
 template <int D>
 void prefill_attention_amx(const c10::BFloat16* query, const c10::BFloat16* key_cache,
                            const c10::BFloat16* value_cache, const int32_t* block_tables,
                            const int32_t* query_start_loc, const int32_t* context_lens, c10::BFloat16* out,
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
-                           int64_t max_blocks, float scale, int64_t shortest_chunk) {
+                           int64_t max_blocks, float scale) {
   constexpr int kParts = D / 32;   // Q K^T: 32 dims per tile multiply
   constexpr int kGroups = D / 16;  // P V: 16 output dims per tile
   const int64_t group = num_heads / num_kv_heads;
@@ -497,9 +531,10 @@ void prefill_attention_amx(const c10::BFloat16* query, const c10::BFloat16* key_
   std::vector<Task> tasks;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t q_len = query_start_loc[seq + 1] - query_start_loc[seq];
-    if (q_len < shortest_chunk) continue;
+    if (q_len == 0) continue;
+    // the keys' and values' layout costs about what a tile of rows does over them
     for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
-      tasks.push_back({seq, kv_head, q_len * context_lens[seq]});
+      tasks.push_back({seq, kv_head, (group * q_len + 16) * context_lens[seq]});
   }
   if (tasks.empty()) return;
   // Longest first, each thread taking the next when it is free: chunks differ in length.
@@ -510,11 +545,12 @@ void prefill_attention_amx(const c10::BFloat16* query, const c10::BFloat16* key_
     load_tile_config();
     std::vector<uint32_t> keys_t;       // [key chunk of 16][part][16 dim pairs][16 keys]
     std::vector<uint32_t> value_pairs;  // [key chunk of 32][dim group][16 key pairs][16 dims]
-    std::vector<float> scores;          // [16 queries][keys, padded to 32]
-    std::vector<uint16_t> weights;      // [16 queries][keys, padded to 32] bfloat16
+    std::vector<float> scores;          // [16 rows][keys, padded to 32]
+    std::vector<uint16_t> weights;      // [16 rows][keys, padded to 32] bfloat16
     alignas(64) uint16_t q_pad[16 * D];
     alignas(64) float outputs[16][16 * kGroups];
     float sums[16];
+    int64_t row_head[16], row_pos[16];  // a tile's rows: query head, position in the chunk
     for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) {
       const Task task = tasks[t];
       const int64_t q_start = query_start_loc[task.seq];
@@ -525,115 +561,134 @@ void prefill_attention_amx(const c10::BFloat16* query, const c10::BFloat16* key_
       const uint16_t* value_head = reinterpret_cast<const uint16_t*>(value_cache + task.kv_head * head_stride);
       const int64_t padded = (context + 31) / 32 * 32;
 
-      // The keys as B operands of Q K^T, the values as B operands of P V.
-      keys_t.assign(padded * D / 2, 0u);
-      value_pairs.assign(padded * D / 2, 0u);
-      for (int64_t key = 0; key < context; ++key) {
-        const uint16_t* k = key_head + static_cast<int64_t>(table[key / kKeys]) * kKeys * D + key % kKeys * D;
-        const uint32_t* k_words = reinterpret_cast<const uint32_t*>(k);
-        uint32_t* k_dst = keys_t.data() + (key / 16) * kParts * 256 + key % 16;
-        for (int64_t w = 0; w < D / 2; ++w) k_dst[(w / 16) * 256 + (w % 16) * 16] = k_words[w];
-        const uint16_t* v = value_head + static_cast<int64_t>(table[key / kKeys]) * kKeys * D + key % kKeys * D;
-        uint16_t* v_dst = reinterpret_cast<uint16_t*>(value_pairs.data() + (key / 32) * kGroups * 256) +
-                          (key % 32 / 2) * 32 + key % 2;
-        for (int64_t d = 0; d < D; ++d) v_dst[(d / 16) * 512 + (d % 16) * 2] = v[d];
+      // The keys as B operands of Q K^T (the chunks of 16 that hold a key), the values as B operands of P V
+      // (every chunk of 32, zero past the context).
+      keys_t.resize(padded * D / 2);
+      value_pairs.resize(padded * D / 2);
+      // (blocks asked for kAhead ahead, as decode does: the K blocks, then the V blocks)
+      const int64_t blocks = (context + kKeys - 1) / kKeys, block_bytes = kKeys * D * 2;
+      for (int64_t c = 0; c < blocks; ++c) {
+        const int64_t ahead = c + kAhead;
+        if (ahead < blocks)
+          prefetch_block(key_head + static_cast<int64_t>(table[ahead]) * kKeys * D, block_bytes);
+        else if (ahead - blocks < blocks)
+          prefetch_block(value_head + static_cast<int64_t>(table[ahead - blocks]) * kKeys * D, block_bytes);
+        keys_as_tiles<D>(key_head + static_cast<int64_t>(table[c]) * kKeys * D, std::min(kKeys, context - c * kKeys),
+                         keys_t.data() + c * kParts * 256);
+      }
+      for (int64_t key = 0; key < padded; key += 2) {
+        auto row = [&](int64_t k) -> const uint16_t* {
+          return k < context ? value_head + static_cast<int64_t>(table[k / kKeys]) * kKeys * D + k % kKeys * D
+                             : nullptr;
+        };
+        if (key % kKeys == 0 && key / kKeys + kAhead < blocks)
+          prefetch_block(value_head + static_cast<int64_t>(table[key / kKeys + kAhead]) * kKeys * D, block_bytes);
+        value_pair_as_tiles<D>(row(key), row(key + 1), key % 32 / 2, value_pairs.data() + (key / 32) * kGroups * 256);
       }
       scores.resize(16 * padded);
       weights.resize(16 * padded);
 
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = task.kv_head * group + g;
-        for (int64_t first = 0; first < q_len; first += 16) {
-          const int64_t rows = std::min<int64_t>(16, q_len - first);
-          const int64_t last_pos = context - q_len + first + rows - 1;
-          const int64_t seen = last_pos + 1;  // keys the tile's last query sees
-          const int64_t chunks16 = (seen + 15) / 16, chunks32 = (seen + 31) / 32;
+      const int64_t total_rows = group * q_len;  // row r: head kv_head * group + r / q_len, position r % q_len
+      for (int64_t first_row = 0; first_row < total_rows; first_row += 16) {
+        const int64_t rows = std::min<int64_t>(16, total_rows - first_row);
+        int64_t last_pos = 0;
+        for (int64_t i = 0; i < rows; ++i) {
+          row_head[i] = task.kv_head * group + (first_row + i) / q_len;
+          row_pos[i] = (first_row + i) % q_len;
+          last_pos = std::max(last_pos, row_pos[i]);
+        }
+        const int64_t seen = context - q_len + last_pos + 1;  // keys the tile's last row sees
+        const int64_t chunks16 = (seen + 15) / 16, chunks32 = (seen + 31) / 32;
 
-          // The query rows as A operands (a short tile through a zero-padded copy: no read past `query`).
-          const c10::BFloat16* q_rows = query + (q_start + first) * row_stride + head * D;
-          int64_t q_stride = row_stride * 2;
-          if (rows < 16) {
-            std::fill_n(q_pad, 16 * D, uint16_t{0});
-            for (int64_t i = 0; i < rows; ++i)
-              std::memcpy(q_pad + i * D, q_rows + i * row_stride, D * 2);
-            q_rows = reinterpret_cast<const c10::BFloat16*>(q_pad);
-            q_stride = D * 2;
-          }
-          _tile_loadd(2, q_rows, q_stride);
-          _tile_loadd(3, q_rows + 32, q_stride);
-          if constexpr (kParts > 2) {
-            _tile_loadd(4, q_rows + 64, q_stride);
-            _tile_loadd(5, q_rows + 96, q_stride);
-          }
-          for (int64_t c = 0; c < chunks16; ++c) {
-            const uint32_t* k = keys_t.data() + c * kParts * 256;
-            _tile_zero(6);
-            _tile_loadd(7, k, 64);
-            _tile_dpbf16ps(6, 2, 7);
-            _tile_loadd(7, k + 256, 64);
-            _tile_dpbf16ps(6, 3, 7);
-            if constexpr (kParts > 2) {
-              _tile_loadd(7, k + 512, 64);
-              _tile_dpbf16ps(6, 4, 7);
-              _tile_loadd(7, k + 768, 64);
-              _tile_dpbf16ps(6, 5, 7);
-            }
-            _tile_stored(6, scores.data() + c * 16, padded * 4);
-          }
-
-          // Softmax of each query's row over the keys it sees, in float32; weights in bfloat16, zero elsewhere.
+        // The rows as A operands: straight from `query` where they are 16 positions of one head, else a
+        // zero-padded copy (no read past `query`).
+        const c10::BFloat16* q_rows = query + (q_start + row_pos[0]) * row_stride + row_head[0] * D;
+        int64_t q_stride = row_stride * 2;
+        if (rows < 16 || row_head[0] != row_head[15]) {
           for (int64_t i = 0; i < 16; ++i) {
-            float* s = scores.data() + i * padded;
-            uint16_t* w = weights.data() + i * padded;
-            const int64_t visible = i < rows ? context - q_len + first + i + 1 : 0;
-            __m512 peak = _mm512_set1_ps(-INFINITY);
-            int64_t k = 0;
-            for (; k + 16 <= visible; k += 16) peak = _mm512_max_ps(peak, _mm512_loadu_ps(s + k));
-            if (k < visible) {
-              const __mmask16 m = static_cast<__mmask16>((1u << (visible - k)) - 1);
-              peak = _mm512_mask_max_ps(peak, m, peak, _mm512_maskz_loadu_ps(m, s + k));
-            }
-            const float top = _mm512_reduce_max_ps(peak);
-            const __m512 top_v = _mm512_set1_ps(top), scale_v = _mm512_set1_ps(scale);
-            __m512 total = _mm512_setzero_ps();
-            for (k = 0; k < chunks32 * 32; k += 16) {
-              const int64_t left = visible - k;
-              const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-              const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + k), top_v), scale_v)));
-              total = _mm512_add_ps(total, e);
-              narrow16(reinterpret_cast<c10::BFloat16*>(w + k), e);
-            }
-            sums[i] = _mm512_reduce_add_ps(total);
+            if (i < rows)
+              std::memcpy(q_pad + i * D, query + (q_start + row_pos[i]) * row_stride + row_head[i] * D, D * 2);
+            else
+              std::fill_n(q_pad + i * D, D, uint16_t{0});
           }
+          q_rows = reinterpret_cast<const c10::BFloat16*>(q_pad);
+          q_stride = D * 2;
+        }
+        _tile_loadd(2, q_rows, q_stride);
+        _tile_loadd(3, q_rows + 32, q_stride);
+        if constexpr (kParts > 2) {
+          _tile_loadd(4, q_rows + 64, q_stride);
+          _tile_loadd(5, q_rows + 96, q_stride);
+        }
+        for (int64_t c = 0; c < chunks16; ++c) {
+          const uint32_t* k = keys_t.data() + c * kParts * 256;
+          _tile_zero(6);
+          _tile_loadd(7, k, 64);
+          _tile_dpbf16ps(6, 2, 7);
+          _tile_loadd(7, k + 256, 64);
+          _tile_dpbf16ps(6, 3, 7);
+          if constexpr (kParts > 2) {
+            _tile_loadd(7, k + 512, 64);
+            _tile_dpbf16ps(6, 4, 7);
+            _tile_loadd(7, k + 768, 64);
+            _tile_dpbf16ps(6, 5, 7);
+          }
+          _tile_stored(6, scores.data() + c * 16, padded * 4);
+        }
 
-          // P V, 4 output tiles (64 dims) at a time.
-          c10::BFloat16* out_rows = out + (q_start + first) * row_stride + head * D;
-          for (int64_t pass = 0; pass < kGroups; pass += 4) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t c = 0; c < chunks32; ++c) {
-              const uint32_t* v = value_pairs.data() + (c * kGroups + pass) * 256;
-              _tile_loadd(4, weights.data() + c * 32, padded * 2);
-              _tile_loadd(5, v, 64);
-              _tile_dpbf16ps(0, 4, 5);
-              _tile_loadd(5, v + 256, 64);
-              _tile_dpbf16ps(1, 4, 5);
-              _tile_loadd(5, v + 512, 64);
-              _tile_dpbf16ps(2, 4, 5);
-              _tile_loadd(5, v + 768, 64);
-              _tile_dpbf16ps(3, 4, 5);
-            }
-            _tile_stored(0, &outputs[0][0], sizeof(outputs[0]));
-            _tile_stored(1, &outputs[0][16], sizeof(outputs[0]));
-            _tile_stored(2, &outputs[0][32], sizeof(outputs[0]));
-            _tile_stored(3, &outputs[0][48], sizeof(outputs[0]));
-            for (int64_t i = 0; i < rows; ++i) {
-              const __m512 inv = _mm512_set1_ps(sums[i] > 0.f ? 1.f / sums[i] : 0.f);
-              for (int64_t d = 0; d < 64; d += 16)
-                narrow16(out_rows + i * row_stride + pass * 16 + d, _mm512_mul_ps(_mm512_loadu_ps(&outputs[i][d]), inv));
-            }
+        // Softmax of each row over the keys it sees, in float32; weights in bfloat16, zero elsewhere up to the
+        // tile's last chunk of 32 (a padding row's weights are whatever is there: its outputs are not read).
+        for (int64_t i = 0; i < rows; ++i) {
+          float* s = scores.data() + i * padded;
+          uint16_t* w = weights.data() + i * padded;
+          const int64_t visible = context - q_len + row_pos[i] + 1;
+          __m512 peak = _mm512_set1_ps(-INFINITY);
+          int64_t k = 0;
+          for (; k + 16 <= visible; k += 16) peak = _mm512_max_ps(peak, _mm512_loadu_ps(s + k));
+          if (k < visible) {
+            const __mmask16 m = static_cast<__mmask16>((1u << (visible - k)) - 1);
+            peak = _mm512_mask_max_ps(peak, m, peak, _mm512_maskz_loadu_ps(m, s + k));
+          }
+          const float top = _mm512_reduce_max_ps(peak);
+          const __m512 top_v = _mm512_set1_ps(top), scale_v = _mm512_set1_ps(scale);
+          __m512 total = _mm512_setzero_ps();
+          for (k = 0; k < chunks32 * 32; k += 16) {
+            const int64_t left = visible - k;
+            const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+            // (scores past chunks16 * 16 were not computed this tile: masked, never read as numbers)
+            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + k), top_v), scale_v)));
+            total = _mm512_add_ps(total, e);
+            narrow16(reinterpret_cast<c10::BFloat16*>(w + k), e);
+          }
+          sums[i] = _mm512_reduce_add_ps(total);
+        }
+
+        // P V, 4 output tiles (64 dims) at a time.
+        for (int64_t pass = 0; pass < kGroups; pass += 4) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t c = 0; c < chunks32; ++c) {
+            const uint32_t* v = value_pairs.data() + (c * kGroups + pass) * 256;
+            _tile_loadd(4, weights.data() + c * 32, padded * 2);
+            _tile_loadd(5, v, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(5, v + 256, 64);
+            _tile_dpbf16ps(1, 4, 5);
+            _tile_loadd(5, v + 512, 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(5, v + 768, 64);
+            _tile_dpbf16ps(3, 4, 5);
+          }
+          _tile_stored(0, &outputs[0][0], sizeof(outputs[0]));
+          _tile_stored(1, &outputs[0][16], sizeof(outputs[0]));
+          _tile_stored(2, &outputs[0][32], sizeof(outputs[0]));
+          _tile_stored(3, &outputs[0][48], sizeof(outputs[0]));
+          for (int64_t i = 0; i < rows; ++i) {
+            const __m512 inv = _mm512_set1_ps(sums[i] > 0.f ? 1.f / sums[i] : 0.f);
+            c10::BFloat16* dst = out + (q_start + row_pos[i]) * row_stride + row_head[i] * D + pass * 16;
+            for (int64_t d = 0; d < 64; d += 16) narrow16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(&outputs[i][d]), inv));
           }
         }
       }
@@ -673,9 +728,6 @@ void check_attention_inputs(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(query.size(2) == kv_cache.size(4), what, ": head_dim differs from the cache's");
   TORCH_CHECK(kv_cache.is_contiguous(), what, ": the cache must be contiguous");
 }
-
-// Chunks of at least this many queries run on AMX tiles where prefill_uses_amx (a 16-query tile is the unit).
-constexpr int64_t kAmxShortestChunk = 17;
 
 // Whether bfloat16 prefill attention with this head_dim and block size runs on AMX tiles here (the build and the
 // CPU have AMX, the OS lets the process use it, head_dim 64 or 128, blocks of 16 keys).
@@ -724,19 +776,19 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
   at::Tensor out = at::empty_like(q);
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), dim = q.size(2);
-  // the vector kernel, over the chunks of at most `longest_chunk` queries
-  auto run = [&](auto* tag, int64_t longest_chunk = INT64_MAX) {
+  // the vector kernel
+  auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* keys = kv_cache.data_ptr<T>();
     prefill_attention<T>(q.data_ptr<T>(), keys, keys + num_kv_heads * num_blocks * kKeys * dim,
                          tables.data_ptr<int32_t>(), starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                          out.data_ptr<T>(), tables.size(0), q.size(1), num_kv_heads, num_blocks, tables.size(1), dim,
-                         static_cast<float>(scale), longest_chunk);
+                         static_cast<float>(scale));
   };
 #if defined(SHARDSERVE_AMX)
   if (prefill_uses_amx(q.scalar_type(), dim, kv_cache.size(3))) {
-    // chunks of more than kAmxShortestChunk - 1 queries on the tiles, shorter ones (a speculative verification)
-    // in the vector kernel, whose rows pack a chunk's query heads densely
+    // every chunk on the tiles, the short ones (a speculative verification) too: their rows pack the group's
+    // query heads into one tile, and the keys' and values' layout is vector code
     using BF16 = c10::BFloat16;
     const BF16* keys = kv_cache.data_ptr<BF16>();
     const BF16* values = keys + num_kv_heads * num_blocks * kKeys * dim;
@@ -744,11 +796,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
       prefill_attention_amx<decltype(dim_constant)::value>(
           q.data_ptr<BF16>(), keys, values, tables.data_ptr<int32_t>(), starts.data_ptr<int32_t>(),
           lens.data_ptr<int32_t>(), out.data_ptr<BF16>(), tables.size(0), q.size(1), num_kv_heads, num_blocks,
-          tables.size(1), static_cast<float>(scale), kAmxShortestChunk);
+          tables.size(1), static_cast<float>(scale));
     };
     if (dim == 64) amx(std::integral_constant<int, 64>{});
     else amx(std::integral_constant<int, 128>{});
-    run(static_cast<BF16*>(nullptr), kAmxShortestChunk - 1);
     return out;
   }
 #endif

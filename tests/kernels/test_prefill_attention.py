@@ -102,21 +102,24 @@ def test_native_cpu_prefill_leaves_what_it_cannot_take_to_the_reference(native_t
     assert not cpu_native.prefill_supported(272, 16, native_target)  # head_dim over 256
 
 
-@pytest.mark.parametrize("head_dim, group", [(64, 1), (64, 4), (128, 2)])
+@pytest.mark.parametrize("head_dim, group", [(64, 1), (64, 4), (128, 2), (64, 3), (128, 7)])
 def test_amx_prefill_of_bfloat16_chunks_matches_the_spec(native_target, native, head_dim, group):
-    """On a CPU with AMX the native build runs bfloat16 chunks of 17 queries or more on AMX tiles (the weights
-    rounded to bfloat16 for P V, as torch's bfloat16 attention rounds them), and shorter ones in the vector loop,
-    both in one call: 16-query tiles with a short last one, chunks starting mid-block after a cached prefix,
-    exactly one and two tiles, a context past 32 keys' padding, beside verifications of a few queries."""
+    """On a CPU with AMX the native build runs every bfloat16 chunk on AMX tiles (the weights rounded to bfloat16
+    for P V, as torch's bfloat16 attention rounds them), in tiles of 16 rows taken head by head: a long chunk's
+    tile is 16 positions of one head (with a short last one), a short chunk's packs the group's heads together
+    (a speculative verification of 5 positions: 15 rows with 3 heads a KV head, 35 over three tiles with 7), and a
+    tile may hold the end of one head and the start of the next. Chunks start mid-block after a cached prefix, are
+    exactly one and two tiles, one token, and end past 32 keys' padding."""
     from kernels import cpu_native
 
     assert cpu_native.load(native_target).prefill_amx_available() == amx_tiles_expected(native_target)
     generator = torch.Generator().manual_seed(head_dim * 7 + group)
-    chunks = [(0, 17), (0, 16), (5, 32), (130, 75), (300, 5), (0, 143), (47, 18), (16, 2)]
+    chunks = [(0, 17), (0, 16), (5, 32), (130, 75), (300, 5), (0, 143), (47, 18), (16, 2), (40, 1), (601, 5),
+              (33, 4)]
     context_lens = [cached + new for cached, new in chunks]
     query_lens = [new for _, new in chunks]
-    kv_cache = random_kv_cache(NUM_KV_HEADS, 80, 16, head_dim, torch.bfloat16, generator)
-    block_tables = scattered_block_tables(context_lens, 16, 80, generator)
+    kv_cache = random_kv_cache(NUM_KV_HEADS, 120, 16, head_dim, torch.bfloat16, generator)
+    block_tables = scattered_block_tables(context_lens, 16, 120, generator)
     query = torch.randn(sum(query_lens), NUM_KV_HEADS * group, head_dim, generator=generator).to(torch.bfloat16)
     query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(context_lens, dtype=torch.int32)
