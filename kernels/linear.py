@@ -10,12 +10,14 @@ rows: oneDNN's reads it at about half the rate two AVX2 cores stream memory, and
 the AVX2 EPYC"). It needs the weight in its own row-major layout, so a layer holds both copies where memory
 allows (the model runner decides) and the LM head always (its dense weight is kept for a tied embedding). A packed
 product of more than 256 rows runs on a row-count bucket, zero-padded (`padded_rows`), so that oneDNN builds a
-primitive per bucket and not per step size. The kernel backend chooses the packer (kernels/backend.py); the
-parallel layers only hold what it returns.
+primitive per bucket and not per step size. Where oneDNN's own split of a bucket's product over the threads leaves
+one of them idle, the product runs on the rows cut into one part per thread instead (`SplitRowsChoice`). The kernel
+backend chooses the packer (kernels/backend.py); the parallel layers only hold what it returns.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -31,6 +33,10 @@ SMALL_BATCH_MAX_ROWS = 8
 EXACT_ROWS_MAX = 256
 # SHARDSERVE_LINEAR_ROW_BUCKETS=0: every product on its rows as they are (to measure what the buckets do)
 ROW_BUCKETS = switched_on("SHARDSERVE_LINEAR_ROW_BUCKETS")
+# SHARDSERVE_LINEAR_SPLIT_ROWS=0: never cut a product's rows over the threads (to measure what SplitRowsChoice does)
+SPLIT_ROWS = switched_on("SHARDSERVE_LINEAR_SPLIT_ROWS")
+# Row buckets whose products may run cut over the threads: above them oneDNN's own split kept both threads busy
+SPLIT_ROWS_MAX = 2048
 
 
 def padded_rows(rows: int) -> int:
@@ -58,14 +64,56 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+class SplitRowsChoice:
+    """For each (weight shape, dtype, row bucket): whether a bfloat16 product runs faster as oneDNN runs it or with
+    its rows cut into one part per thread, each part's product on its thread alone (the native
+    packed_linear_split_rows). oneDNN splits a product over the threads by its own rule, and with 2 threads that
+    rule leaves one idle for some shapes and row counts: on the Intel Xeon with AMX, bfloat16, 384-1280 rows of a
+    1536 -> 576 product, 768-1024 of 576 -> 960 and 384-768 of 576 -> 576 took as long on 1 thread as on 2, and cut
+    in two they ran 1.5-2.0x faster; where oneDNN keeps both busy, the cut ran 0.5-0.9x (docs/BENCHMARKS.md,
+    "Linears: oneDNN's split over two threads"). So the first product of a shape at a bucket times both, twice,
+    alternated, and the faster (the cut only where it wins by a margin) runs every later one. Only the buckets above
+    EXACT_ROWS_MAX: they are a bounded set (16 per doubling), and each is decided once for all the layers that share
+    the shape. The two differ at most in the last bit of a few outputs (oneDNN blocks a product of other rows
+    differently)."""
+
+    MARGIN = 1.15  # the cut runs only where it took at most 1/MARGIN of oneDNN's time
+
+    def __init__(self, split: Callable):
+        self.split = split
+        self.choices: dict[tuple, bool] = {}
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        key = (tuple(packed.shape), x.dtype, x.shape[0])
+        choice = self.choices.get(key)
+        if choice is None:
+            return self._decide(key, x, packed, bias)
+        return self.split(x, packed, bias) if choice else onednn_linear(x, packed, bias)
+
+    def _decide(self, key: tuple, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        runs = {False: lambda: onednn_linear(x, packed, bias), True: lambda: self.split(x, packed, bias)}
+        best = {False: float("inf"), True: float("inf")}
+        for run in runs.values():
+            out = run()  # each builds its oneDNN primitives first
+        for _ in range(2):
+            for cut, run in runs.items():
+                start = time.perf_counter()
+                out = run()
+                best[cut] = min(best[cut], time.perf_counter() - start)
+        self.choices[key] = choice = best[True] * self.MARGIN <= best[False]
+        return out if choice else runs[False]()
+
+
 class PackedLinearWeight:
     """A [out, in] CPU weight in oneDNN's blocked layout; with `small_batch` (the native kernel) also kept as it
     is, for products of at most SMALL_BATCH_MAX_ROWS float32 rows."""
 
-    def __init__(self, weight: torch.Tensor, small_batch: Callable | None = None):
+    def __init__(self, weight: torch.Tensor, small_batch: Callable | None = None,
+                 split_rows: SplitRowsChoice | None = None):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         use_small = small_batch is not None and weight.dtype == torch.float32
         self.small_batch = small_batch if use_small else None
+        self.split_rows = split_rows if weight.dtype == torch.bfloat16 and SPLIT_ROWS else None
         self.dense = weight.detach() if use_small else None  # keeps the weight's storage when the layer drops it
 
     @property
@@ -83,12 +131,15 @@ class PackedLinearWeight:
             return self.small_batch(x, self.dense, bias)
         rows = x.shape[0]
         padded = padded_rows(rows)
+        product = onednn_linear
+        if self.split_rows is not None and EXACT_ROWS_MAX < padded <= SPLIT_ROWS_MAX:
+            product = self.split_rows.matmul
         if padded == rows:
-            return onednn_linear(x, self.packed, bias)
+            return product(x.contiguous(), self.packed, bias)
         padded_x = x.new_empty((padded, x.shape[1]))
         padded_x[:rows].copy_(x)
         padded_x[rows:].zero_()
-        return onednn_linear(padded_x, self.packed, bias)[:rows]
+        return product(padded_x, self.packed, bias)[:rows]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -104,9 +155,12 @@ def no_packing(weight: torch.Tensor, keep_dense: bool = False) -> None:
     return None
 
 
-def onednn_packer(small_batch: Callable | None = None) -> Callable[..., PackedLinearWeight | None]:
+def onednn_packer(small_batch: Callable | None = None,
+                  split_rows: Callable | None = None) -> Callable[..., PackedLinearWeight | None]:
     """The native CPU backend's packer; `small_batch`: the native small-batch kernel, for the weights the caller
-    lets it keep dense (`keep_dense`)."""
+    lets it keep dense (`keep_dense`); `split_rows`: the native product with the rows cut over the threads, for the
+    bfloat16 buckets where it is faster (SplitRowsChoice, one per packer: its choices hold for the shapes it packs)."""
+    choice = SplitRowsChoice(split_rows) if split_rows is not None else None
 
     def pack(weight: torch.Tensor, keep_dense: bool = False) -> PackedLinearWeight | None:
         """A CPU float32 or bfloat16 weight, packed; anything else as it is, and so is a bfloat16 weight on a CPU
@@ -115,7 +169,7 @@ def onednn_packer(small_batch: Callable | None = None) -> Callable[..., PackedLi
         if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
             return None
         try:
-            return PackedLinearWeight(weight, small_batch if keep_dense else None)
+            return PackedLinearWeight(weight, small_batch if keep_dense else None, choice)
         except RuntimeError:
             if weight.dtype != torch.bfloat16:
                 raise

@@ -21,6 +21,7 @@ at::Tensor sample_tokens(const at::Tensor& logits, const at::Tensor& temperature
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slot_mapping);
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor packed_linear_split_rows(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);
 }  // namespace shardserve
 
@@ -55,6 +56,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_batch_linear", &shardserve::small_batch_linear,
         "x W^T (+ b) for a few rows of x, W [out, in] as it is (kernels/linear.py)", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
+  m.def("packed_linear_split_rows", &shardserve::packed_linear_split_rows,
+        "oneDNN's product on a packed weight, x's rows cut into one part per thread, each on its thread alone "
+        "(kernels/linear.py)", py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("bind_omp_threads", &shardserve::bind_omp_threads,
         "The calling thread's OpenMP team: thread i bound to cpus[i]; returns the core each runs on (kernels/cpu_threads.py)");
 }

@@ -9,7 +9,10 @@
 #include "common.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Optional.h>
+
+#include <vector>
 
 namespace shardserve {
 namespace {
@@ -144,6 +147,37 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
     linear_rows(xp, wp, bp, yp, m, in, out, begin * kRowsPerBlock, std::min(out, end * kRowsPerBlock));
   });
   return y;
+}
+
+// oneDNN's product on a packed weight (torch's mkldnn::_linear_pointwise) with the rows of x cut into one part per
+// thread, each part's product run by its thread alone: oneDNN runs single-threaded inside a parallel region.
+// With 2 threads, oneDNN's own split of some products leaves one thread idle: bfloat16 on AMX, 384-1280 rows of a
+// 1536 -> 576 product, 768-1024 of 576 -> 960, 384-768 of 576 -> 576 took as long on 1 thread as on 2
+// (kernels/linear.py says where it is used). Each row's result is the same either way: a row's product does not
+// depend on the other rows.
+at::Tensor packed_linear_split_rows(const at::Tensor& x, const at::Tensor& packed,
+                                    const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "packed_linear_split_rows: x must be [m, in], contiguous");
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const int64_t rows = x.size(0);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
+  const int64_t per = (rows + parts - 1) / parts;
+  std::vector<at::Tensor> outs(parts);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) {
+      const int64_t start = part * per;
+      torch::jit::Stack stack;
+      stack.emplace_back(x.narrow(0, start, std::min(per, rows - start)));
+      stack.emplace_back(packed);
+      stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+      stack.emplace_back(std::string("none"));
+      stack.emplace_back(c10::List<c10::optional<c10::Scalar>>());
+      stack.emplace_back(std::string(""));
+      op.callBoxed(&stack);
+      outs[part] = stack[0].toTensor();
+    }
+  });
+  return parts == 1 ? outs[0] : at::cat(outs, 0);
 }
 
 }  // namespace shardserve

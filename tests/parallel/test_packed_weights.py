@@ -26,7 +26,7 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 def test_a_weight_onednn_cannot_pack_is_left_as_it_is(monkeypatch):
-    def refuse(self, weight, small_batch=None):
+    def refuse(self, weight, small_batch=None, split_rows=None):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
 
     monkeypatch.setattr(PackedLinearWeight, "__init__", refuse)
