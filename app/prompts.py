@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.tool_calls.rendering import template_inputs
+from engine.detokenizer import rust_encode
 from engine.errors import InvalidRequestError
 
 
@@ -30,8 +31,8 @@ def completion_prompts(tokenizer, req: CompletionRequest) -> list[Prompt]:
         items = list(raw)
     if not items:
         raise InvalidRequestError("The prompt is empty: send at least one prompt.", param="prompt")
-    return [Prompt(item, tokenizer.encode(item)) if isinstance(item, str) else Prompt(None, list(item))
-            for item in items]
+    encode = rust_encode(tokenizer)
+    return [Prompt(item, encode(item)) if isinstance(item, str) else Prompt(None, list(item)) for item in items]
 
 
 def chat_prompt(tokenizer, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> Prompt:

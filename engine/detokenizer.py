@@ -8,6 +8,9 @@ streaming, the last few characters are held back in case they begin a stop strin
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import tokenizers
 
 from engine.sequence import Sequence
@@ -27,6 +30,51 @@ def rust_decode(tokenizer):
     if getattr(tokenizer, "clean_up_tokenization_spaces", True) is not False:
         return None
     return backend.decode
+
+
+# Texts on which rust_encode's encoder must give transformers' own ids before it stands in for `tokenizer.encode`:
+# spaces, newlines and tabs, non-ASCII, digits, code, and (added per tokenizer) its special tokens' text
+_ENCODE_PROBES = ("", "Hello world", " a leading space", "  two spaces\nnew line\ttab  ", "na\u00efve caf\u00e9 \u2014 "
+                  "\u201cquotes\u201d \u65e5\u672c\u8a9e \U0001f642", "1234567890 3.14159 1e-5",
+                  "def f(x):\n    return x**2  # squared\n", "x" * 300)
+_ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def rust_encode(tokenizer) -> Callable[[str], list[int]]:
+    """`tokenizer.encode(text)` (special tokens added as the tokenizer adds them), through the Rust tokenizer's own
+    `encode` where that gives the same ids on every probe text and the Rust tokenizer has no truncation or padding
+    set: transformers' Python around it took ~4x the Rust call (a 512-token prompt: 3.0 ms against 0.67, the bench
+    model's tokenizer), on the serving loop of every request with a text prompt. Made once per tokenizer."""
+    try:
+        return _ENCODERS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    encode = _make_rust_encode(tokenizer)
+    try:
+        _ENCODERS[tokenizer] = encode
+    except TypeError:  # not weakly referable: made again next time
+        pass
+    return encode
+
+
+def _make_rust_encode(tokenizer) -> Callable[[str], list[int]]:
+    def slow(text: str) -> list[int]:
+        return list(tokenizer.encode(text))
+
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, tokenizers.Tokenizer) or backend.truncation is not None or backend.padding is not None:
+        return slow
+
+    def fast(text: str) -> list[int]:
+        return backend.encode(text).ids
+
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if isinstance(t, str)]
+    probes = (*_ENCODE_PROBES, " ".join(specials), f"{''.join(specials)} after")
+    try:
+        same = all(fast(text) == slow(text) for text in probes)
+    except Exception:  # any failure of either: keep transformers' own
+        same = False
+    return fast if same else slow
 
 
 class Detokenizer:

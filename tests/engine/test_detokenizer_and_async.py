@@ -9,7 +9,7 @@ import pytest
 from engine import AsyncLLMEngine, EngineDeadError, InvalidRequestError, SamplingParams
 from engine.checkpoint.loader import load_tokenizer
 from engine.config import EngineConfig
-from engine.detokenizer import Detokenizer
+from engine.detokenizer import Detokenizer, rust_encode
 from engine.sequence import Request
 
 
@@ -51,6 +51,26 @@ def test_a_fast_tokenizer_decodes_in_rust_and_gives_what_transformers_gives(tiny
     cleaning = Detokenizer(tokenizer)
     assert cleaning._rust_decode is None
     assert cleaning.decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_prompts_encode_in_rust_where_it_gives_what_transformers_gives(tiny_llama_dir):
+    """A text prompt's ids come from the Rust tokenizer's encode (special tokens added as transformers adds them),
+    made once per tokenizer; a tokenizer whose encode differs from it on a probe text, or whose Rust tokenizer has
+    truncation set, keeps transformers' encode."""
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    encode = rust_encode(tokenizer)
+    assert encode.__name__ == "fast" and rust_encode(tokenizer) is encode
+    for text in ("a , b . héllo → 日本 🚀", "  spaces\n\tand tabs", "", tokenizer.eos_token or "</s>"):
+        assert encode(text) == list(tokenizer.encode(text))
+
+    other = load_tokenizer(str(tiny_llama_dir))
+    plain = other.encode
+    other.encode = lambda text, **kwargs: [*plain(text, **kwargs), 7]  # transformers adds something Rust does not
+    assert rust_encode(other).__name__ == "slow" and rust_encode(other)("hi") == other.encode("hi")
+
+    truncating = load_tokenizer(str(tiny_llama_dir))
+    truncating._tokenizer.enable_truncation(max_length=4)
+    assert rust_encode(truncating).__name__ == "slow"
 
 
 @pytest.fixture(scope="module")
