@@ -6,7 +6,9 @@
    tokens, each step appending one token, as the scheduler calls it.
 2. An input-grounded load: the model (default: the demo model, SmolLM2-135M-Instruct) is asked, through its
    chat template, to repeat or lightly edit a passage of Python source of about --prompt-tokens tokens (the
-   prompts of `shardserve bench --dataset-name grounded`, bench/grounded.py); greedy, --output-tokens each.
+   prompts of `shardserve bench --dataset-name grounded`, bench/grounded.py); greedy, --output-tokens each (or,
+   with --output-range-ratio r, a length of its own from --output-tokens x [1 - r, 1 + r]: requests that start
+   together then end apart, with speculation or without).
    For each concurrency (--num-prompts requests, default 3 per unit of concurrency, with at most that many in
    flight at once: each finished one is replaced at once, as `vllm bench serve --max-concurrency` does)
    speculation off, then n-gram, then (with --draft-model, or --draft-layers N: the model's own first N
@@ -50,16 +52,25 @@ def grounded_prompts(tokenizer, num: int, prompt_tokens: int, seed: int = 0) -> 
     return [builder.token_ids(message) for message in builder.build(num)]
 
 
-def run_load(model: str, prompts, concurrency: int, output_tokens: int, speculative: dict | None) -> dict:
+def output_lengths(num: int, output_tokens: int, range_ratio: float, seed: int = 0) -> list[int]:
+    """Each request's output length: `output_tokens`, or with a range ratio r drawn uniformly from
+    [output_tokens * (1 - r), output_tokens * (1 + r)] (vLLM's --random-range-ratio), the same for a seed."""
+    rng = random.Random(seed)
+    low, high = round(output_tokens * (1 - range_ratio)), round(output_tokens * (1 + range_ratio))
+    return [rng.randint(max(1, low), max(1, high)) for _ in range(num)]
+
+
+def run_load(model: str, prompts, concurrency: int, output_tokens: int | list[int], speculative: dict | None) -> dict:
     """All `prompts` through one engine with at most `concurrency` in flight: a new one is added as soon as one
     finishes, as a load-test client at that concurrency does (a closed batch would end with the slowest
-    request alone, which measures that request, not the concurrency)."""
+    request alone, which measures that request, not the concurrency). `output_tokens`: for every request, or one
+    length each."""
     from engine import LLM, SamplingParams
     from engine.outputs import RequestOutput
 
     llm = LLM(model=model, speculative_config=speculative, enable_prefix_caching=False)
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    lengths = output_tokens if isinstance(output_tokens, list) else [output_tokens] * len(prompts)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     results: dict[str, RequestOutput] = {}
     pending = list(enumerate(prompts))
@@ -68,6 +79,7 @@ def run_load(model: str, prompts, concurrency: int, output_tokens: int, speculat
     while pending or engine.has_unfinished_requests():
         while pending and in_flight < concurrency:
             index, prompt = pending.pop(0)
+            params = SamplingParams(temperature=0.0, max_tokens=lengths[index], ignore_eos=True)
             request = engine.add_request(str(index), prompt, params)
             results[str(index)] = RequestOutput(str(index), None, request.prompt_token_ids, [], finished=False)
             in_flight += 1
@@ -133,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--output-range-ratio", type=float, default=0.0,
+                        help="output lengths drawn from output-tokens x [1 - r, 1 + r] (vLLM's --random-range-ratio); "
+                             "0: every request --output-tokens, so requests started together end together")
     parser.add_argument("--num-prompts", type=int, default=None, help="requests per concurrency (default 3x it)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=3)
@@ -170,10 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     print("\n| concurrency | speculation | TPOT (ms) | tokens/s | acceptance | accepted per step |\n|---|---|---|---|---|---|")
     for concurrency in args.concurrency:
         prompts = grounded_prompts(tokenizer, args.num_prompts or 3 * concurrency, args.prompt_tokens)
-        off = run_load(model, prompts, concurrency, args.output_tokens, None)
+        lengths = output_lengths(len(prompts), args.output_tokens, args.output_range_ratio)
+        off = run_load(model, prompts, concurrency, lengths, None)
         print(f"| {concurrency} | off | {off['tpot_ms']:.1f} | {off['tokens_per_s']:.1f} | | |")
         for name, speculative in methods.items():
-            on = run_load(model, prompts, concurrency, args.output_tokens, speculative)
+            on = run_load(model, prompts, concurrency, lengths, speculative)
             same = "" if on["tokens"] == off["tokens"] else " (outputs differ: near-ties?)"
             acceptance, accepted = (f"{on[key]:.2f}" if on[key] is not None else "no verification"
                                     for key in ("acceptance", "mean_accepted"))
