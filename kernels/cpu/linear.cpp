@@ -160,8 +160,9 @@ at::Tensor packed_linear_split_rows(const at::Tensor& x, const at::Tensor& packe
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "packed_linear_split_rows: x must be [m, in], contiguous");
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const int64_t rows = x.size(0);
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
-  const int64_t per = (rows + parts - 1) / parts;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
+  const int64_t per = std::max<int64_t>(1, (rows + threads - 1) / threads);
+  const int64_t parts = std::max<int64_t>(1, (rows + per - 1) / per);  // (5 rows on 4 threads: 3 parts of 2, 2, 1)
   std::vector<at::Tensor> outs(parts);
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t part = begin; part < end; ++part) {

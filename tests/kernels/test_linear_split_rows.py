@@ -37,6 +37,24 @@ def test_split_product_computes_the_product(native_target, rows):
     torch.testing.assert_close(without_bias.float(), (whole - bias).float(), rtol=2e-2, atol=0.1)
 
 
+def test_split_product_keeps_every_row_with_more_threads_than_parts(native_target):
+    """5 rows on 4 threads are 3 parts (2, 2, 1): no part starts past the rows."""
+    from kernels import cpu_native
+
+    native = cpu_native.load(native_target)
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, 32).to(torch.bfloat16))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        for rows in (1, 5, 7):
+            x = torch.randn(rows, 32).to(torch.bfloat16)
+            out = native.packed_linear_split_rows(x, packed)
+            torch.testing.assert_close(out.float(), linear_module.onednn_linear(x, packed, None).float(), rtol=2e-2,
+                                       atol=5e-2)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_each_shape_and_bucket_is_decided_once():
     """The first product of a (shape, dtype, rows) times both ways and records the choice; later ones run the
     chosen way only, once; another row count or shape is decided on its own."""
