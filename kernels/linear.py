@@ -35,8 +35,10 @@ EXACT_ROWS_MAX = 256
 ROW_BUCKETS = switched_on("SHARDSERVE_LINEAR_ROW_BUCKETS")
 # SHARDSERVE_LINEAR_SPLIT_ROWS=0: never cut a product's rows over the threads (to measure what SplitRowsChoice does)
 SPLIT_ROWS = switched_on("SHARDSERVE_LINEAR_SPLIT_ROWS")
-# Row buckets whose products may run cut over the threads: above them oneDNN's own split kept both threads busy
-SPLIT_ROWS_MAX = 2048
+# Row buckets whose products may run cut over the threads: above 1280 rows oneDNN's own split kept both threads busy
+# on every shape measured, and each bucket decided costs its first product a few more runs (a cold server's first
+# steps of 1-2K tokens paid that: docs/BENCHMARKS.md, "Linears: oneDNN's split over two threads")
+SPLIT_ROWS_MAX = 1280
 
 
 def padded_rows(rows: int) -> int:
@@ -73,9 +75,9 @@ class SplitRowsChoice:
     in two they ran 1.5-2.0x faster; where oneDNN keeps both busy, the cut ran 0.5-0.9x (docs/BENCHMARKS.md,
     "Linears: oneDNN's split over two threads"). So the first product of a shape at a bucket times both, twice,
     alternated, and the faster (the cut only where it wins by a margin) runs every later one. Only the buckets above
-    EXACT_ROWS_MAX: they are a bounded set (16 per doubling), and each is decided once for all the layers that share
-    the shape. The two differ at most in the last bit of a few outputs (oneDNN blocks a product of other rows
-    differently)."""
+    EXACT_ROWS_MAX and up to SPLIT_ROWS_MAX: they are a bounded set (16 per doubling), and each is decided once for
+    all the layers that share the shape. The two differ at most in the last bit of a few outputs (oneDNN blocks a
+    product of other rows differently)."""
 
     MARGIN = 1.15  # the cut runs only where it took at most 1/MARGIN of oneDNN's time
 
