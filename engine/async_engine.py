@@ -101,6 +101,7 @@ class _EngineLoop:
         self.streams: dict[str, _Stream] = {}
         self.error: BaseException | None = None
         self.stopped = False
+        self.warming_up = True  # until the engine's idle warm-up is done (LLMEngine.warm_up_idle)
         # set, under `streams_lock`, once the loop has failed its open streams: no stream opens after it
         self.closed = False
         self.streams_lock = threading.Lock()
@@ -157,6 +158,9 @@ class _EngineLoop:
             while not self.stopped:
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
+                    if self.warming_up and not self.inbox:  # one unit at a time: a request waits at most for one
+                        self.warming_up = self.engine.warm_up_idle()
+                        continue
                     if not self.wakeup.wait(IDLE_HEALTH_CHECK_S):
                         self.engine.check_health()  # raises when a worker died while nothing ran
                     self.wakeup.clear()

@@ -280,6 +280,12 @@ class LLMEngine:
                 self.scheduler.spec_stats.acceptance_length_counts)) if self.config.speculative_config else None,
         )
 
+    def warm_up_idle(self) -> bool:
+        """Work the executor can do while no request runs (oneDNN's primitives for the prefill steps' row buckets,
+        engine/warmup.py), one unit a call; whether any is left. The async engine's loop calls it while idle."""
+        warm_up = getattr(self.executor, "warm_up_idle", None)
+        return warm_up is not None and warm_up()
+
     def check_health(self) -> None:
         """Raise EngineDeadError if the executor lost a worker (cheap: the async engine calls it while idle)."""
         self.executor.check_health()

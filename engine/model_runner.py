@@ -18,7 +18,7 @@ from engine.config import EngineConfig, ModelConfig, available_memory_bytes
 from engine.gpu_memory import GIB, KVCacheMemoryError, check_share_is_free, gpu_memory_for, kv_cache_budget
 from engine.sampler import SampledToken, SamplingBatch, sample
 from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.warmup import warm_up_attention, warm_up_sampling
+from engine.warmup import LinearWarmUp, warm_up_attention, warm_up_sampling
 from kernels.backend import get_backend
 from kernels.cpu_threads import bind_threads
 from kernels.host_memory import reuse_freed_memory, zeros_on_huge_pages
@@ -243,6 +243,9 @@ class ModelRunner:
             self.swapper = KVSwapper(self.kv_caches, self.num_host_blocks, self.device)
         if self.device.type == "cuda" and self.backend.name == "triton":
             self.warm_up()
+        # oneDNN's primitives for the prefill steps' row buckets, built while the engine is idle (engine/warmup.py)
+        self.linear_warm_up = (LinearWarmUp(self.model, config.max_num_batched_tokens)
+                               if self.device.type == "cpu" else None)
 
     def _read_memory_at_start(self):
         """The GPU before this engine's weights (None where the cache is not sized from a profile)."""
@@ -310,6 +313,13 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def warm_up_idle(self) -> bool:
+        """One unit of the idle warm-up (engine/warmup.py LinearWarmUp); whether any is left."""
+        if self.linear_warm_up is None or self.linear_warm_up.done:
+            return False
+        self._use_cpu_threads()
+        return self.linear_warm_up.step()
 
     @torch.inference_mode()
     def _use_cpu_threads(self) -> None:

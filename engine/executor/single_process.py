@@ -32,6 +32,10 @@ class SingleProcessExecutor:
     def check_health(self) -> None:
         self._live_runner()
 
+    def warm_up_idle(self) -> bool:
+        """One unit of the runner's idle warm-up; whether any is left (tensor-parallel executors have none)."""
+        return self.runner is not None and self.runner.warm_up_idle()
+
     def memory(self) -> list[RankMemory]:
         return [measure_memory(self._live_runner())]
 

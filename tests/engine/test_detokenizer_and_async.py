@@ -73,6 +73,27 @@ def test_prompts_encode_in_rust_where_it_gives_what_transformers_gives(tiny_llam
     assert rust_encode(truncating).__name__ == "slow"
 
 
+def test_the_loop_warms_the_linears_up_while_idle_and_serves_meanwhile(tiny_llama_dir):
+    """The engine loop runs the idle warm-up (oneDNN's primitives for the prefill row buckets) a unit at a time
+    while no request runs, until it is done; a request that comes meanwhile is served as any other."""
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16", max_num_batched_tokens=1024))
+    try:
+        warm_up = engine._engine_loop.engine.executor.runner.linear_warm_up
+
+        async def one():
+            return [out async for out in engine.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True),
+                                                          "during-warm-up")]
+
+        outs = asyncio.run(one())
+        assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 4
+        deadline = time.monotonic() + 60
+        while engine._engine_loop.warming_up and time.monotonic() < deadline:
+            time.sleep(0.05)  # waiting for the loop to finish its idle work, not timing it
+        assert not engine._engine_loop.warming_up and warm_up.done and warm_up.products > 0
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def async_engine(tiny_llama_dir):
     engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))

@@ -101,3 +101,42 @@ def test_packed_weight_asks_the_choice_only_for_bfloat16_buckets(monkeypatch):
     PackedLinearWeight(weight.to(torch.bfloat16), split_rows=recording).matmul(
         torch.randn(700, 32).to(torch.bfloat16), None)
     assert len(asked) == 3
+
+
+def test_idle_warm_up_builds_each_shape_at_each_bucket_largest_first(tiny_llama_dir, monkeypatch):
+    """The idle warm-up (engine/warmup.py LinearWarmUp) runs one product per packed shape (the LM head left out) at
+    each row bucket above EXACT_ROWS_MAX up to the step budget, a bucket a step, largest first; switched off it has
+    nothing to do."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.warmup import LinearWarmUp
+    from parallel.layers import ParallelLMHead
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16", max_num_batched_tokens=600))
+    try:
+        model = engine.executor.runner.model
+        shapes = {tuple(m.packed_weight.packed.shape) for m in model.modules()
+                  if getattr(m, "packed_weight", None) is not None and not isinstance(m, ParallelLMHead)}
+        seen: list[tuple[int, tuple]] = []
+        product = linear_module.onednn_linear
+
+        def recording(x, packed, bias):
+            seen.append((x.shape[0], tuple(packed.shape)))
+            return product(x, packed, bias)
+
+        monkeypatch.setattr(linear_module, "onednn_linear", recording)
+        warm_up = LinearWarmUp(model, 600)
+        buckets = sorted({padded_rows(rows) for rows in range(EXACT_ROWS_MAX + 1, 601)})
+        assert warm_up.buckets == buckets and shapes
+        steps = 0
+        while warm_up.step():
+            steps += 1
+        assert steps + 1 == len(buckets) and warm_up.done and warm_up.products == len(buckets) * len(shapes)
+        assert seen[0][0] == buckets[-1] and {shape for _, shape in seen} == shapes
+        monkeypatch.setenv("SHARDSERVE_LINEAR_WARMUP", "0")
+        assert LinearWarmUp(model, 600).done
+        while engine.warm_up_idle():  # the runner's own, from the engine (the async engine's loop calls it idle)
+            pass
+        assert engine.executor.runner.linear_warm_up.done and not engine.warm_up_idle()
+    finally:
+        engine.shutdown()
