@@ -48,6 +48,8 @@ logger = logging.getLogger("shardserve.engine")
 SHUTDOWN_TIMEOUT_S = 30.0
 # How often an idle loop checks that the executor's workers are alive (a local, non-blocking Ray call).
 IDLE_HEALTH_CHECK_S = 0.5
+# how long the loop must have had nothing to do before it runs a unit of idle work (LLMEngine.warm_up_idle)
+WARM_UP_QUIET_S = 0.05
 
 
 # What callers put in the loop's inbox (any thread); the loop thread applies them before its next step.
@@ -158,8 +160,12 @@ class _EngineLoop:
             while not self.stopped:
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
-                    if self.warming_up and not self.inbox:  # one unit at a time: a request waits at most for one
-                        self.warming_up = self.engine.warm_up_idle()
+                    if self.warming_up:
+                        # idle work only after a quiet spell (a client sending requests one after another never
+                        # waits for it), one unit at a time (a request that comes then waits for one product)
+                        if not self.wakeup.wait(WARM_UP_QUIET_S):
+                            self.warming_up = self.engine.warm_up_idle()
+                        self.wakeup.clear()
                         continue
                     if not self.wakeup.wait(IDLE_HEALTH_CHECK_S):
                         self.engine.check_health()  # raises when a worker died while nothing ran

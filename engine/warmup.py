@@ -111,14 +111,15 @@ def warm_up_sampling(backend: KernelBackend, logits: torch.Tensor) -> None:
 
 class LinearWarmUp:
     """oneDNN's primitives for the row buckets a CPU engine's prefill steps meet, built while the engine is idle: one
-    product of zeros for each (packed weight shape, row bucket above EXACT_ROWS_MAX up to `max_rows`), a bucket per
-    `step`. oneDNN JIT-builds a primitive the first time it meets a row count, several times the product's own cost
-    (kernels/linear.py padded_rows), and a served load's first steps meet many buckets at once: a fresh server's
-    first wave of ten 512-token prompts reached its first tokens in groups at 284 / 388 / 465 ms where the steady
-    state's groups took 150-195 ms (docs/BENCHMARKS.md, "Side by side with vLLM"). The linears' split decisions
-    (SplitRowsChoice) are made here too. Every layer of a shape shares its primitives, so a shape is warmed once;
-    the LM head multiplies only the sampled rows and is left out. The caller runs it on the thread that runs the
-    steps (a primitive is built for the thread count it runs with). SHARDSERVE_LINEAR_WARMUP=0: nothing to do."""
+    product of zeros for each (packed weight shape, row bucket above EXACT_ROWS_MAX up to `max_rows`), one product a
+    `step`, largest bucket first (full steps are a loaded server's most common). oneDNN JIT-builds a primitive the
+    first time it meets a row count, several times the product's own cost (kernels/linear.py padded_rows), and a
+    served load's first steps meet many buckets at once: a fresh server's first wave of ten 512-token prompts reached
+    its first tokens in groups at 284 / 388 / 465 ms where the steady state's groups took 150-195 ms
+    (docs/BENCHMARKS.md, "Linears: oneDNN's split over two threads"). The linears' split decisions (SplitRowsChoice)
+    are made here too. Every layer of a shape shares its primitives, so a shape is warmed once; the LM head
+    multiplies only the sampled rows and is left out. The caller runs it on the thread that runs the steps (a
+    primitive is built for the thread count it runs with). SHARDSERVE_LINEAR_WARMUP=0: nothing to do."""
 
     def __init__(self, model: torch.nn.Module, max_rows: int):
         from kernels import switched_on
@@ -130,23 +131,22 @@ class LinearWarmUp:
             packed = getattr(module, "packed_weight", None)
             if isinstance(packed, PackedLinearWeight) and not isinstance(module, ParallelLMHead):
                 weights.setdefault((tuple(packed.packed.shape), packed.packed.dtype), packed)
-        self.weights = list(weights.items())
-        self.buckets = sorted({padded_rows(rows) for rows in range(EXACT_ROWS_MAX + 1, max_rows + 1)})
-        if not switched_on("SHARDSERVE_LINEAR_WARMUP") or not self.weights:
-            self.buckets = []
+        buckets = sorted({padded_rows(rows) for rows in range(EXACT_ROWS_MAX + 1, max_rows + 1)})
+        # (rows, in features, dtype, weight), the largest bucket last: `step` pops from the end
+        self.units = [(rows, shape[1], dtype, packed) for rows in buckets for (shape, dtype), packed in weights.items()]
+        if not switched_on("SHARDSERVE_LINEAR_WARMUP"):
+            self.units = []
         self.products = 0
 
     @property
     def done(self) -> bool:
-        return not self.buckets
+        return not self.units
 
     @torch.inference_mode()
     def step(self) -> bool:
-        """One bucket's products (largest first: full steps are a loaded server's most common); whether any are
-        left."""
-        if self.buckets:
-            rows = self.buckets.pop()
-            for (shape, dtype), packed in self.weights:
-                packed.matmul(torch.zeros(rows, shape[1], dtype=dtype), None)
-                self.products += 1
-        return bool(self.buckets)
+        """One product; whether any are left."""
+        if self.units:
+            rows, features, dtype, packed = self.units.pop()
+            packed.matmul(torch.zeros(rows, features, dtype=dtype), None)
+            self.products += 1
+        return bool(self.units)
