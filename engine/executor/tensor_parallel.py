@@ -106,8 +106,9 @@ class TensorParallelExecutor:
 
     def execute_model(self, step: StepInput, sampling: SamplingBatch | None) -> list[SampledToken] | None:
         """Broadcast the step, run rank 0's shard and sample its full logits (all-gathered by the head)."""
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
+        # a worker that died since the last step (a SIGKILL just before a request): fail now, not in a broadcast that
+        # may wait for it (the metadata group has no timeout while the engine is idle)
+        self.check_health()
         try:
             broadcast_object(step, self.runner.parallel)
             return self.runner.execute_model(step, sampling)
