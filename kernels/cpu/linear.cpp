@@ -153,8 +153,8 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
 // thread, each part's product run by its thread alone: oneDNN runs single-threaded inside a parallel region.
 // With 2 threads, oneDNN's own split of some products leaves one thread idle: bfloat16 on AMX, 384-1280 rows of a
 // 1536 -> 576 product, 768-1024 of 576 -> 960, 384-768 of 576 -> 576 took as long on 1 thread as on 2
-// (kernels/linear.py says where it is used). Each row's result is the same either way: a row's product does not
-// depend on the other rows.
+// (kernels/linear.py says where it is used). A row's result is oneDNN's whole product's up to the last bit of a few
+// outputs (oneDNN may block a product of fewer rows differently).
 at::Tensor packed_linear_split_rows(const at::Tensor& x, const at::Tensor& packed,
                                     const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "packed_linear_split_rows: x must be [m, in], contiguous");
