@@ -283,8 +283,7 @@ class LLMEngine:
     def warm_up_idle(self) -> bool:
         """Work the executor can do while no request runs (oneDNN's primitives for the prefill steps' row buckets,
         engine/warmup.py), one unit a call; whether any is left. The async engine's loop calls it while idle."""
-        warm_up = getattr(self.executor, "warm_up_idle", None)
-        return warm_up is not None and warm_up()
+        return self.executor.warm_up_idle()
 
     def check_health(self) -> None:
         """Raise EngineDeadError if the executor lost a worker (cheap: the async engine calls it while idle)."""

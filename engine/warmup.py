@@ -126,17 +126,17 @@ class LinearWarmUp:
         from kernels.linear import EXACT_ROWS_MAX, PackedLinearWeight, padded_rows
         from parallel.layers import ParallelLMHead
 
+        self.products = 0
+        self.units: list[tuple] = []  # (rows, in features, dtype, weight), the largest bucket last: `step` pops
+        if not switched_on("SHARDSERVE_LINEAR_WARMUP"):
+            return
         weights: dict[tuple, PackedLinearWeight] = {}
         for module in model.modules():
             packed = getattr(module, "packed_weight", None)
             if isinstance(packed, PackedLinearWeight) and not isinstance(module, ParallelLMHead):
                 weights.setdefault((tuple(packed.packed.shape), packed.packed.dtype), packed)
         buckets = sorted({padded_rows(rows) for rows in range(EXACT_ROWS_MAX + 1, max_rows + 1)})
-        # (rows, in features, dtype, weight), the largest bucket last: `step` pops from the end
         self.units = [(rows, shape[1], dtype, packed) for rows in buckets for (shape, dtype), packed in weights.items()]
-        if not switched_on("SHARDSERVE_LINEAR_WARMUP"):
-            self.units = []
-        self.products = 0
 
     @property
     def done(self) -> bool:

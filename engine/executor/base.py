@@ -38,6 +38,10 @@ class Executor(Protocol):
         """Raise EngineDeadError if a rank is lost (cheap, non-blocking: called while idle)."""
         ...
 
+    def warm_up_idle(self) -> bool:
+        """One unit of work to do while no request runs (engine/warmup.py); whether any is left."""
+        ...
+
     def memory(self) -> list[RankMemory]:
         """Every rank's weight and KV-cache bytes, in rank order."""
         ...

@@ -33,7 +33,7 @@ class SingleProcessExecutor:
         self._live_runner()
 
     def warm_up_idle(self) -> bool:
-        """One unit of the runner's idle warm-up; whether any is left (tensor-parallel executors have none)."""
+        """One unit of the runner's idle warm-up; whether any is left."""
         return self.runner is not None and self.runner.warm_up_idle()
 
     def memory(self) -> list[RankMemory]:

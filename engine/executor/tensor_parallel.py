@@ -127,6 +127,10 @@ class TensorParallelExecutor:
             self._fail(f"tensor-parallel worker lost: {_describe(failure or 'a worker left its loop')}")
             raise EngineDeadError(self._dead)
 
+    def warm_up_idle(self) -> bool:
+        """None here yet: every rank would have to run the warm-up's products, not rank 0 alone."""
+        return False
+
     def _fail(self, reason: str) -> None:
         self._dead = reason
         self._ranks.parallel = None  # out of step: a farewell on the groups could wait for ever

@@ -66,13 +66,6 @@ def test_the_port_range_is_the_port_alone():
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
 
 
-def _command_line(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:  # it exited meanwhile
-        return ""
-
-
 def test_the_controller_callback_places_no_proxy_on_any_node():
     # in a process of its own, as in Serve's controller: the patch is to Serve's class
     code = ("from app.direct_ingress import no_head_proxy\n"
@@ -90,7 +83,7 @@ def _listener_command(server_pid: int, port: int) -> str:
     """The command line (Ray's process title) of the process that listens on `port`."""
     pids = [pid for pid, _, p in _listening_sockets_of_process_tree(server_pid) if p == port]
     assert len(pids) == 1, _listening_sockets_of_process_tree(server_pid)
-    return Path(f"/proc/{pids[0]}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return _command(pids[0])
 
 
 async def _engine_idle(http: httpx.AsyncClient, timeout_s: float = 30) -> dict:
@@ -118,7 +111,7 @@ async def test_what_answers_the_port_and_what_it_keeps(tiny_llama_dir, tmp_path,
         await asyncio.to_thread(wait_until_healthy, server, port, log)
         assert listener in _listener_command(server.pid, port)
         # direct ingress keeps no idle proxy beside the replica (app.direct_ingress.no_head_proxy)
-        proxies = [pid for pid in _process_tree(server.pid) if "ProxyActor" in _command_line(pid)]
+        proxies = [pid for pid in _process_tree(server.pid) if "ProxyActor" in _command(pid)]
         assert bool(proxies) == (mode == "proxy"), proxies
 
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
@@ -187,6 +180,7 @@ def _pid_of(title: str, server_pid: int) -> int:
 
 
 def _command(pid: int) -> str:
+    """The command line (Ray's process title) of `pid`; empty where it exited meanwhile."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
