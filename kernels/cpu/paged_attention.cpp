@@ -119,6 +119,86 @@ inline void block_values(const float* probs, const T* block, int64_t count, floa
 }
 #endif
 
+#if defined(__AVX512F__)
+// The sums of 16 vectors' lanes: out[i] = v[i][0] + ... + v[i][15], in 45 shuffles and adds (a horizontal sum per
+// vector takes 8 on a dependent chain). Within each 128-bit lane first, then across the four lanes.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 quarter[4];  // quarter[j], 128-bit lane L, element k: v[4j + k]'s elements 4L .. 4L + 3 summed
+  for (int j = 0; j < 4; ++j) {
+    const __m512* w = v + 4 * j;
+    const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+    const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+    quarter[j] = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
+  }
+  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(quarter[0], quarter[1], 0x44),
+                                   _mm512_shuffle_f32x4(quarter[0], quarter[1], 0xEE));
+  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(quarter[2], quarter[3], 0x44),
+                                   _mm512_shuffle_f32x4(quarter[2], quarter[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+
+// acc[h] += sum_i probs[h * prob_stride + i] * value_i for NH heads of a group over the `count` rows of one block:
+// each value row widened once for all NH heads (block_values widens it once a head), the NH accumulators in
+// registers.
+template <typename T, int D, int NH>
+inline void block_values_heads(const float* probs, int64_t prob_stride, const T* block, int64_t count, float* acc) {
+  __m512 av[NH][D / 16];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < D / 16; ++c) av[h][c] = _mm512_loadu_ps(acc + h * D + 16 * c);
+  for (int64_t i = 0; i < count; ++i) {
+    __m512 v[D / 16];
+    for (int c = 0; c < D / 16; ++c) v[c] = widen16(block + i * D + 16 * c);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 p = _mm512_set1_ps(probs[h * prob_stride + i]);
+      for (int c = 0; c < D / 16; ++c) av[h][c] = _mm512_fmadd_ps(p, v[c], av[h][c]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + h * D + 16 * c, av[h][c]);
+}
+
+// block_values_heads for every head of a group, kValueHeads<D> at a time (their accumulators and a widened row
+// within 24 of the 32 vector registers).
+template <int D>
+constexpr int kValueHeads = D >= 128 ? 2 : 4;
+
+template <typename T, int D>
+inline void block_values_group(const float* probs, int64_t prob_stride, const T* block, int64_t count, float* acc,
+                               int64_t group) {
+  constexpr int kHeads = kValueHeads<D>;
+  int64_t g = 0;
+  for (; g + kHeads <= group; g += kHeads)
+    block_values_heads<T, D, kHeads>(probs + g * prob_stride, prob_stride, block, count, acc + g * D);
+  for (; g < group; ++g) block_values_heads<T, D, 1>(probs + g * prob_stride, prob_stride, block, count, acc + g * D);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// scores[g * prob_stride + i] = scale * (q_g . key_i) for a full block of 16 bfloat16 keys and every head of the
+// group, with the products of bfloat16 pairs summed in float32 by vdpbf16ps (each product exact, as the widened
+// FMA's are; the sums in another order): one vector of partial sums per key, the 16 keys' vectors summed into one
+// vector of 16 scores by sum_lanes16. Rows past `count` are read (they are inside the block) but not stored.
+template <int D>
+inline void block_scores_bf16(const c10::BFloat16* query, int64_t group, const c10::BFloat16* block, int64_t count,
+                              float scale, float* scores, int64_t prob_stride) {
+  const __mmask16 live = static_cast<__mmask16>((1u << count) - 1);
+  for (int64_t g = 0; g < group; ++g) {
+    __m512bh q[D / 32];
+    for (int c = 0; c < D / 32; ++c)
+      q[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(query + g * D + 32 * c));
+    __m512 partial[16];
+    for (int i = 0; i < 16; ++i) {
+      const c10::BFloat16* k = block + i * D;
+      __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k)));
+      for (int c = 1; c < D / 32; ++c)
+        sum = _mm512_dpbf16_ps(sum, q[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + 32 * c)));
+      partial[i] = sum;
+    }
+    _mm512_mask_storeu_ps(scores + g * prob_stride, live, _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale)));
+  }
+}
+#endif
+
 // The same two steps for any head_dim, in plain C++.
 template <typename T>
 inline void block_scores_any(const float* q, const T* block, int64_t count, float* scores, int64_t dim) {
@@ -199,6 +279,14 @@ void decode_attention(
           prefetch_block(keys + static_cast<int64_t>(table[ahead]) * block_size * dim, block_bytes);
         else if (ahead - blocks < blocks)
           prefetch_block(values + static_cast<int64_t>(table[ahead - blocks]) * block_size * dim, block_bytes);
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, c10::BFloat16> && D > 0) {
+          if (block_size == 16) {
+            block_scores_bf16<D>(q_in, group, block, count, scale, scores.data() + start, context);
+            continue;
+          }
+        }
+#endif
         for (int64_t g = 0; g < group; ++g) scores_of(q.data() + g * dim, block, count, scores.data() + g * context + start);
       }
 
@@ -217,6 +305,12 @@ void decode_attention(
         const int64_t ahead = start / block_size + kAhead;
         if (ahead < blocks)
           prefetch_block(values + static_cast<int64_t>(table[ahead]) * block_size * dim, block_bytes);
+#if defined(__AVX512F__)
+        if constexpr (D > 0) {
+          block_values_group<T, D>(scores.data() + start, context, block, count, acc.data(), group);
+          continue;
+        }
+#endif
         for (int64_t g = 0; g < group; ++g) add_values(scores.data() + g * context + start, block, count, acc.data() + g * dim);
       }
       for (int64_t g = 0; g < group; ++g) {
