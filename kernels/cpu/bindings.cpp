@@ -25,6 +25,13 @@ at::Tensor packed_linear_split_rows(const at::Tensor& x, const at::Tensor& packe
 std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);
 }  // namespace shardserve
 
+// The kernels run without the GIL, as torch's own ops do: the serving loop's Python (the replica's event loop, Ray's
+// threads) can then run during a step's attention instead of waiting for it, and the step's thread does not wait for
+// theirs at its next kernel. They touch no Python object (their arguments are held by the caller's frame).
+namespace {
+const auto kNoGil = py::call_guard<py::gil_scoped_release>();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "vector_isa",
@@ -38,25 +45,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
       },
       "The vector code this build runs: avx512, avx2 or scalar (plain C++)");
-  m.def("paged_decode_attention", &shardserve::paged_decode_attention, "Paged decode attention");
+  m.def("paged_decode_attention", &shardserve::paged_decode_attention, kNoGil, "Paged decode attention");
   m.def("prefill_amx_available", &shardserve::prefill_amx_available,
         "Whether bfloat16 prefill attention (head_dim 64 or 128) runs on AMX tiles here");
-  m.def("paged_prefill_attention", &shardserve::paged_prefill_attention, "Paged prefill attention, causal chunks");
+  m.def("paged_prefill_attention", &shardserve::paged_prefill_attention, kNoGil, "Paged prefill attention, causal chunks");
   m.def("prefill_supported", &shardserve::prefill_supported,
         "Whether paged_prefill_attention takes this head_dim and block_size");
-  m.def("rms_norm", &shardserve::rms_norm, "RMSNorm, optionally after a residual add: [out] or [out, sum]");
-  m.def("silu_and_mul", &shardserve::silu_and_mul, "silu(gate) * up over [tokens, 2 * d]");
-  m.def("sample_tokens", &shardserve::sample_tokens,
+  m.def("rms_norm", &shardserve::rms_norm, kNoGil, "RMSNorm, optionally after a residual add: [out] or [out, sum]");
+  m.def("silu_and_mul", &shardserve::silu_and_mul, kNoGil, "silu(gate) * up over [tokens, 2 * d]");
+  m.def("sample_tokens", &shardserve::sample_tokens, kNoGil,
         "One token per row: temperature, top-k, top-p, min-p, inverse-transform draw (kernels/sampling.py)");
-  m.def("apply_token_bitmask", &shardserve::apply_token_bitmask,
+  m.def("apply_token_bitmask", &shardserve::apply_token_bitmask, kNoGil,
         "In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is clear (kernels/bitmask.py)");
-  m.def("rotary_embedding", &shardserve::rotary_embedding, "Rotary embedding of query and key: [query, key]");
-  m.def("write_kv_cache", &shardserve::write_kv_cache,
+  m.def("rotary_embedding", &shardserve::rotary_embedding, kNoGil, "Rotary embedding of query and key: [query, key]");
+  m.def("write_kv_cache", &shardserve::write_kv_cache, kNoGil,
         "In place: key and value rows into their slots of the paged cache, slot -1 skipped (kernels/cache.py)");
-  m.def("small_batch_linear", &shardserve::small_batch_linear,
+  m.def("small_batch_linear", &shardserve::small_batch_linear, kNoGil,
         "x W^T (+ b) for a few rows of x, W [out, in] as it is (kernels/linear.py)", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
-  m.def("packed_linear_split_rows", &shardserve::packed_linear_split_rows,
+  m.def("packed_linear_split_rows", &shardserve::packed_linear_split_rows, kNoGil,
         "oneDNN's product on a packed weight, x's rows cut into one part per thread, each on its thread alone "
         "(kernels/linear.py)", py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("bind_omp_threads", &shardserve::bind_omp_threads,
