@@ -1,6 +1,7 @@
 """Ranks 1..tp-1 of a tensor-parallel engine: Ray actors, their placement, and what rank 0 started.
 
-Workers run a loop (`TensorParallelWorker.run`: receive a step, run it, until a None step)
+Workers run a loop (`TensorParallelWorker.run`: receive a step, run it, until a None step; a `WarmUpUnit` in place of
+a step runs one unit of the idle warm-up)
 rather than one Ray call per step: a step's message then costs two small gloo broadcasts (its
 length, its bytes; well under a millisecond each at world size 2) instead of a Ray task
 submission, a result object and a `ray.get` per worker per step.
@@ -47,6 +48,12 @@ NODE_AFFINITY = 0.001
 
 class WorkerStartError(EngineError):
     """The tensor-parallel ranks could not be placed, started or connected."""
+
+
+@dataclass(frozen=True)
+class WarmUpUnit:
+    """Rank 0's word, in place of a step, to run one unit of the idle warm-up (engine/warmup.py LinearWarmUp): every
+    rank builds the same primitives for its own shard, with no collective between them."""
 
 
 def failure_key(rank: int) -> str:
@@ -100,7 +107,10 @@ class TensorParallelWorker:
                 self.config, self.model_config, parallel=parallel, max_model_len=self.max_model_len
             )
             while (step := broadcast_object(None, parallel)) is not None:
-                self.runner.execute_model(step)
+                if isinstance(step, WarmUpUnit):
+                    self.runner.warm_up_idle()
+                else:
+                    self.runner.execute_model(step)
             self.runner.shutdown()
         except BaseException as exc:  # noqa: BLE001 - any failure must close this rank's sockets
             self._report_and_exit(exc)
@@ -122,6 +132,11 @@ class TensorParallelWorker:
 
     def memory(self) -> RankMemory | None:
         return None if self.runner is None else measure_memory(self.runner)
+
+    def warm_up_left(self) -> int | None:
+        """Units of the idle warm-up this rank has still to run (None: it has none, e.g. on a GPU)."""
+        warm_up = None if self.runner is None else self.runner.linear_warm_up
+        return None if warm_up is None else len(warm_up.units)
 
 
 def ensure_ray(world_size: int) -> None:

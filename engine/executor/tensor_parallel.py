@@ -38,6 +38,7 @@ from engine.executor.ray_ranks import (
     StartedRanks,
     TensorParallelWorker,
     WorkerPlacement,
+    WarmUpUnit,
     WorkerStartError,
     ensure_ray,
     failure_key,
@@ -128,8 +129,19 @@ class TensorParallelExecutor:
             raise EngineDeadError(self._dead)
 
     def warm_up_idle(self) -> bool:
-        """None here yet: every rank would have to run the warm-up's products, not rank 0 alone."""
-        return False
+        """One unit of the idle warm-up on every rank (each rank's shard has the same shapes, so the same units):
+        rank 0 broadcasts a `WarmUpUnit` in place of a step and runs its own; whether any is left."""
+        warm_up = self.runner.linear_warm_up if self.runner is not None else None
+        if warm_up is None or warm_up.done:
+            return False
+        self.check_health()
+        try:
+            broadcast_object(WarmUpUnit(), self.runner.parallel)
+            return self.runner.warm_up_idle()
+        except Exception as exc:  # as a failed step: the ranks are out of step
+            failure = self._worker_failure()
+            self._fail(f"tensor-parallel warm-up failed: {_describe(failure if failure is not None else exc)}")
+            raise EngineDeadError(self._dead) from exc
 
     def _fail(self, reason: str) -> None:
         self._dead = reason

@@ -173,6 +173,25 @@ def test_leaving_a_with_block_releases_the_llm_and_shutting_down_again_does_noth
 
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(120)
+def test_the_idle_warm_up_runs_on_every_rank_and_the_engine_stays_exact(tiny_llama_dir, hf_greedy):
+    """Rank 0 hands each unit of the idle warm-up (engine/warmup.py LinearWarmUp) to the workers in place of a step:
+    every rank runs the same units, and the steps after it are the same as before."""
+    with LLM(str(tiny_llama_dir), **SETTINGS) as llm:
+        executor = llm.engine.executor
+        worker = executor.workers[0]
+        units = len(executor.runner.linear_warm_up.units)
+        assert units > 0 and ray.get(worker.warm_up_left.remote()) == units
+        more = 0
+        while llm.engine.warm_up_idle():
+            more += 1
+        assert more == units - 1 and executor.runner.linear_warm_up.done and not llm.engine.warm_up_idle()
+        # a step after the warm-up: the worker has run every unit before it (one broadcast stream, in order)
+        assert greedy(llm) == hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS, ignore_eos=True)
+        assert ray.get(worker.warm_up_left.remote()) == 0
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(120)
 def test_a_dropped_async_engine_stops_its_loop_thread_and_releases_its_workers(tiny_llama_dir):
     groups = _live_placement_groups()
     engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", **SETTINGS))
