@@ -37,8 +37,8 @@ from engine.executor.gpu_devices import RankPlace, check_distinct_gpus, rendezvo
 from engine.executor.ray_ranks import (
     StartedRanks,
     TensorParallelWorker,
-    WorkerPlacement,
     WarmUpUnit,
+    WorkerPlacement,
     WorkerStartError,
     ensure_ray,
     failure_key,
