@@ -60,17 +60,15 @@ def output_lengths(num: int, output_tokens: int, range_ratio: float, seed: int =
     return [rng.randint(max(1, low), max(1, high)) for _ in range(num)]
 
 
-def run_load(model: str, prompts, concurrency: int, output_tokens: int | list[int], speculative: dict | None) -> dict:
+def run_load(model: str, prompts, concurrency: int, lengths: list[int], speculative: dict | None) -> dict:
     """All `prompts` through one engine with at most `concurrency` in flight: a new one is added as soon as one
     finishes, as a load-test client at that concurrency does (a closed batch would end with the slowest
-    request alone, which measures that request, not the concurrency). `output_tokens`: for every request, or one
-    length each."""
+    request alone, which measures that request, not the concurrency). `lengths`: each request's output tokens."""
     from engine import LLM, SamplingParams
     from engine.outputs import RequestOutput
 
     llm = LLM(model=model, speculative_config=speculative, enable_prefix_caching=False)
     engine = llm.engine
-    lengths = output_tokens if isinstance(output_tokens, list) else [output_tokens] * len(prompts)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     results: dict[str, RequestOutput] = {}
     pending = list(enumerate(prompts))

@@ -26,6 +26,8 @@ from __future__ import annotations
 import pickle
 import time
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import ray
 import torch
@@ -107,16 +109,7 @@ class TensorParallelExecutor:
 
     def execute_model(self, step: StepInput, sampling: SamplingBatch | None) -> list[SampledToken] | None:
         """Broadcast the step, run rank 0's shard and sample its full logits (all-gathered by the head)."""
-        # a worker that died since the last step (a SIGKILL just before a request): fail now, not in a broadcast that
-        # may wait for it (the metadata group has no timeout while the engine is idle)
-        self.check_health()
-        try:
-            broadcast_object(step, self.runner.parallel)
-            return self.runner.execute_model(step, sampling)
-        except Exception as exc:  # any failure leaves the ranks out of step: the engine is done
-            failure = self._worker_failure()
-            self._fail(f"tensor-parallel step failed: {_describe(failure if failure is not None else exc)}")
-            raise EngineDeadError(self._dead) from exc
+        return self._on_every_rank(step, lambda: self.runner.execute_model(step, sampling), "step")
 
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker has died or left its loop (between steps; does not block)."""
@@ -134,13 +127,20 @@ class TensorParallelExecutor:
         warm_up = self.runner.linear_warm_up if self.runner is not None else None
         if warm_up is None or warm_up.done:
             return False
+        return self._on_every_rank(WarmUpUnit(), self.runner.warm_up_idle, "warm-up")
+
+    def _on_every_rank(self, message: StepInput | WarmUpUnit, run_here: Callable[[], Any], what: str) -> Any:
+        """Broadcast `message` to the workers and run rank 0's part (`run_here`); any failure leaves the ranks out of
+        step, so the engine is done: EngineDeadError naming the worker that failed, if one did."""
+        # a worker that died since the last message (a SIGKILL just before a request): fail now, not in a broadcast
+        # that may wait for it (the metadata group has no timeout while the engine is idle)
         self.check_health()
         try:
-            broadcast_object(WarmUpUnit(), self.runner.parallel)
-            return self.runner.warm_up_idle()
-        except Exception as exc:  # as a failed step: the ranks are out of step
+            broadcast_object(message, self.runner.parallel)
+            return run_here()
+        except Exception as exc:
             failure = self._worker_failure()
-            self._fail(f"tensor-parallel warm-up failed: {_describe(failure if failure is not None else exc)}")
+            self._fail(f"tensor-parallel {what} failed: {_describe(failure if failure is not None else exc)}")
             raise EngineDeadError(self._dead) from exc
 
     def _fail(self, reason: str) -> None:

@@ -78,18 +78,7 @@ inline void block_scores(const float* q, const T* block, int64_t count, float* s
   }
 }
 
-// acc += sum_i probs[i] * value_i over the `count` rows of one block; acc stays in registers.
-template <typename T, int D>
-inline void block_values(const float* probs, const T* block, int64_t count, float* acc) {
-  __m512 av[D / 16];
-  for (int c = 0; c < D / 16; ++c) av[c] = _mm512_loadu_ps(acc + 16 * c);
-  for (int64_t i = 0; i < count; ++i) {
-    const T* v = block + i * D;
-    const __m512 p = _mm512_set1_ps(probs[i]);
-    for (int c = 0; c < D / 16; ++c) av[c] = _mm512_fmadd_ps(p, widen16(v + 16 * c), av[c]);
-  }
-  for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + 16 * c, av[c]);
-}
+// (the values' step with AVX-512 is block_values_group, below: every head of the group over a block at once)
 #elif defined(__AVX2__) && defined(__FMA__)
 // The same two steps in 8-lane vectors. AVX2 has 16 vector registers: q is read from L1 (a memory
 // operand of the FMA) rather than held, and the value rows are accumulated 64 lanes at a time.
@@ -138,8 +127,7 @@ inline __m512 sum_lanes16(const __m512* v) {
 }
 
 // acc[h] += sum_i probs[h * prob_stride + i] * value_i for NH heads of a group over the `count` rows of one block:
-// each value row widened once for all NH heads (block_values widens it once a head), the NH accumulators in
-// registers.
+// each value row widened once for all NH heads, the NH accumulators in registers.
 template <typename T, int D, int NH>
 inline void block_values_heads(const float* probs, int64_t prob_stride, const T* block, int64_t count, float* acc) {
   __m512 av[NH][D / 16];
@@ -249,7 +237,7 @@ void decode_attention(
     block_scores_any(q, block, count, scores, dim);
   };
   auto add_values = [&](const float* probs, const T* block, int64_t count, float* acc) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)  // (AVX-512: block_values_group, below)
     if constexpr (D > 0) return block_values<T, D>(probs, block, count, acc);
 #endif
     block_values_any(probs, block, count, acc, dim);
