@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import threading
 import traceback
 from dataclasses import dataclass
 
@@ -85,6 +86,9 @@ class TensorParallelWorker:
         self.store = connect_store(store_host, store_port, world_size)
         self.max_model_len = max_model_len
         self.runner: ModelRunner | None = None
+        # set once `run` has built this rank's runner (or failed): queries on the other thread wait for it, since
+        # rank 0 can finish its own load while this rank is still building its runner after the last collective
+        self.loaded = threading.Event()
 
     def place(self) -> RankPlace:
         """Where Ray put this rank: its node's address, its reserved GPU and what its process sees."""
@@ -106,6 +110,7 @@ class TensorParallelWorker:
             self.runner = ModelRunner(
                 self.config, self.model_config, parallel=parallel, max_model_len=self.max_model_len
             )
+            self.loaded.set()
             while (step := broadcast_object(None, parallel)) is not None:
                 if isinstance(step, WarmUpUnit):
                     self.runner.warm_up_idle()
@@ -130,12 +135,18 @@ class TensorParallelWorker:
             pass
         os._exit(1)
 
-    def memory(self) -> RankMemory | None:
-        return None if self.runner is None else measure_memory(self.runner)
+    def _loaded_runner(self) -> ModelRunner:
+        """This rank's runner, once `run` has built it (a failed load exits the process instead)."""
+        if not self.loaded.wait(RENDEZVOUS_TIMEOUT.total_seconds()):
+            raise EngineError(f"tensor-parallel rank {self.rank} did not load its shard in {RENDEZVOUS_TIMEOUT}")
+        return self.runner
+
+    def memory(self) -> RankMemory:
+        return measure_memory(self._loaded_runner())
 
     def warm_up_left(self) -> int | None:
         """Units of the idle warm-up this rank has still to run (None: it has none, e.g. on a GPU)."""
-        warm_up = None if self.runner is None else self.runner.linear_warm_up
+        warm_up = self._loaded_runner().linear_warm_up
         return None if warm_up is None else len(warm_up.units)
 
 
