@@ -184,8 +184,8 @@ def _native_cpu_backend(target: str, reference_bf16_prefill: bool) -> KernelBack
         TORCH,
         name="cpu",
         apply_token_bitmask=apply_token_bitmask,
-        # the small-batch product where it was measured faster than oneDNN's: the AVX2 build (kernels/linear.py)
-        pack_linear_weight=onednn_packer(native.small_batch_linear if native.vector_isa() == "avx2" else None,
+        # the small-batch product (a build with vector code: faster than oneDNN's at a few rows, kernels/linear.py)
+        pack_linear_weight=onednn_packer(native.small_batch_linear if native.vector_isa() != "scalar" else None,
                                          native.packed_linear_split_rows),
         sample_tokens=sample_tokens,
         write_kv_cache=write_kv_cache,

@@ -1,14 +1,15 @@
 """A linear layer's matrix product, x W^T (+ bias): torch's F.linear, or oneDNN's on a weight packed once, or
-for a few rows of float32 activations the native small-batch product on the weight as it is.
+for a few rows of activations the native small-batch product on the weight as it is.
 
 Unpacked, each F.linear call on CPU reorders the weight into oneDNN's blocked layout before it
 multiplies; packed once at load, a bench-model decode step's matrix products run 1.3-1.7x faster at
-batch 1-50 (docs/BENCHMARKS.md, "Kernels"). bfloat16 results are bit-identical to F.linear's; float32's
-differ in the last bits (another summation order). At batch 1-8 a product reads the whole weight for a few
-rows: oneDNN's reads it at about half the rate two AVX2 cores stream memory, and the native kernel
-(kernels/cpu/linear.cpp) at the full rate, 1.5x faster at batch 1 on the AVX2 EPYC (docs/BENCHMARKS.md, "On
-the AVX2 EPYC"). It needs the weight in its own row-major layout, so a layer holds both copies where memory
-allows (the model runner decides) and the LM head always (its dense weight is kept for a tied embedding). A packed
+batch 1-50 (docs/BENCHMARKS.md, "Kernels"). Its bfloat16 results are bit-identical to F.linear's; float32's
+differ in the last bits (another summation order), as the native kernel's do in both dtypes. At batch 1-8 a product reads the whole weight for a few
+rows: oneDNN's reads it at about half the rate two cores stream memory, and the native kernel
+(kernels/cpu/linear.cpp) near the full rate: 1.5x faster at batch 1 on the AVX2 EPYC (float32; docs/BENCHMARKS.md,
+"On the AVX2 EPYC"), 0.70x the time at batch 1 on the Intel Xeon with AMX (bfloat16; "Linears at batch 1-4: the
+native product on the dense weight"). It needs the weight in its own row-major layout, so a layer holds both
+copies where memory allows (the model runner decides) and the LM head always (its dense weight is kept for a tied embedding). A packed
 product of more than 256 rows runs on a row-count bucket, zero-padded (`padded_rows`), so that oneDNN builds a
 primitive per bucket and not per step size. Where oneDNN's own split of a bucket's product over the threads leaves
 one of them idle, the product runs on the rows cut into one part per thread instead (`SplitRowsChoice`). The kernel
@@ -26,9 +27,11 @@ import torch.nn.functional as F
 from kernels import switched_on
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-# Rows of activations up to which the native small-batch product beats oneDNN's packed one on float32 weights
-# (the two cross between 8 and 16 rows: docs/BENCHMARKS.md, "On the AVX2 EPYC")
-SMALL_BATCH_MAX_ROWS = 8
+# Rows of activations up to which the native small-batch product beats oneDNN's packed one, by weight dtype: float32
+# crosses between 8 and 16 rows (the AVX2 EPYC, docs/BENCHMARKS.md "On the AVX2 EPYC"; on the Intel Xeon with AMX
+# 0.75-0.80x oneDNN's time up to 8), bfloat16 between 6 and 8 on the Intel Xeon with AMX (0.70x at 1 row, 0.80x at 4,
+# 0.95x at 6, 1.09x at 8: "Linears at batch 1-4: the native product on the dense weight")
+SMALL_BATCH_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
 # Row counts up to which oneDNN's packed product runs on the rows as they are (see padded_rows)
 EXACT_ROWS_MAX = 256
 # SHARDSERVE_LINEAR_ROW_BUCKETS=0: every product on its rows as they are (to measure what the buckets do)
@@ -108,13 +111,14 @@ class SplitRowsChoice:
 
 class PackedLinearWeight:
     """A [out, in] CPU weight in oneDNN's blocked layout; with `small_batch` (the native kernel) also kept as it
-    is, for products of at most SMALL_BATCH_MAX_ROWS float32 rows."""
+    is, for products of at most SMALL_BATCH_MAX_ROWS[its dtype] rows."""
 
     def __init__(self, weight: torch.Tensor, small_batch: Callable | None = None,
                  split_rows: SplitRowsChoice | None = None):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        use_small = small_batch is not None and weight.dtype == torch.float32
+        use_small = small_batch is not None and weight.dtype in SMALL_BATCH_MAX_ROWS
         self.small_batch = small_batch if use_small else None
+        self.small_batch_rows = SMALL_BATCH_MAX_ROWS[weight.dtype] if use_small else 0
         self.split_rows = split_rows if weight.dtype == torch.bfloat16 and SPLIT_ROWS else None
         self.dense = weight.detach() if use_small else None  # keeps the weight's storage when the layer drops it
 
@@ -129,7 +133,7 @@ class PackedLinearWeight:
         return self.dense.numel() * self.dense.element_size() if self.dense is not None else 0
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [n, in] -> [n, out]
-        if self.small_batch is not None and x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.dtype == torch.float32:
+        if self.small_batch is not None and x.shape[0] <= self.small_batch_rows and x.dtype == self.dense.dtype:
             return self.small_batch(x, self.dense, bias)
         rows = x.shape[0]
         padded = padded_rows(rows)

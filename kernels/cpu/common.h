@@ -84,6 +84,23 @@ inline __m512 round16(__m512 v) {
   }
 }
 
+// The sums of 16 vectors' lanes: out[i] = v[i][0] + ... + v[i][15], in 45 shuffles and adds (a horizontal sum per
+// vector takes 8 on a dependent chain). Within each 128-bit lane first, then across the four lanes.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 quarter[4];  // quarter[j], 128-bit lane L, element k: v[4j + k]'s elements 4L .. 4L + 3 summed
+  for (int j = 0; j < 4; ++j) {
+    const __m512* w = v + 4 * j;
+    const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+    const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+    quarter[j] = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
+  }
+  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(quarter[0], quarter[1], 0x44),
+                                   _mm512_shuffle_f32x4(quarter[0], quarter[1], 0xEE));
+  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(quarter[2], quarter[3], 0x44),
+                                   _mm512_shuffle_f32x4(quarter[2], quarter[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+
 // exp(x) for 16 lanes (x up to ~88; above, inf): 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, and 2^f = e^(f ln 2)
 // by its Taylor series to degree 6 (relative error ~1e-7, float32's own). Below 2^-126 it returns
 // 2^-126, not 0: callers zero the lanes that must not count. glibc's scalar expf would otherwise be

@@ -1,10 +1,11 @@
 // A linear layer's matrix product for a few rows of activations, y = x W^T (+ b), reading W as it is
-// ([out, in], row-major, float32). At batch 1-8 a decode step's matrix products are
+// ([out, in], row-major, float32 or bfloat16). At batch 1-8 a decode step's matrix products are
 // matrix-vector products bound by how fast W streams from memory; oneDNN's packed product and torch's
-// F.linear read it at about half of what two cores can stream on the AVX2 EPYC (docs/BENCHMARKS.md,
-// "On the AVX2 EPYC"). Here each thread streams its own rows of W, four at a time, and multiplies them
-// with every activation row while they are in L1, accumulating in float32 (one vector accumulator per
-// output, its lanes summed at the end: a summation order of its own, as oneDNN's is).
+// F.linear read it at about half of what two cores can stream (docs/BENCHMARKS.md, "On the AVX2 EPYC" and
+// "Linears at batch 1-4: the native product on the dense weight"). Here each thread streams its own rows of W, four
+// at a time, asking for the rows ahead, and multiplies them with every activation row while they are in L1,
+// accumulating in float32 (one vector accumulator per output, its lanes summed at the end: a summation order of its
+// own, as oneDNN's is).
 
 #include "common.h"
 
@@ -36,6 +37,90 @@ inline float vsum(Vec v) { return reduce_add8(v); }
 #endif
 
 constexpr int64_t kRowsPerBlock = 4;
+// W's rows are asked for kPrefetchRows ahead of the block being multiplied, into L2 (PREFETCHT1): a layer's weight is
+// read once a step, from memory, and the hardware prefetcher alone left the product at ~10 GB/s. The demo model's 121
+// products of a decode step at batch 1, bfloat16, from memory, on the Intel Xeon with AMX: 25.2 ms without, 16.4 with
+// (oneDNN's packed products: 22.1); 16 rows ahead no better, PREFETCHNTA slower (docs/BENCHMARKS.md, "Linears at
+// batch 1-4: the native product on the dense weight"). A prefetch past the weight's end is dropped (it never faults).
+constexpr int64_t kPrefetchRows = 8;
+constexpr int kLocality = 2;
+
+#if defined(__AVX512BF16__)
+// linear_rows for bfloat16 x and W on CPUs with AVX512-BF16: 32 weights a load, their products with x's pairs summed
+// in float32 by vdpbf16ps (each product exact, as the widened FMA's), without widening W first.
+inline __m512bh bf16_load32(const c10::BFloat16* p) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
+}
+
+// NT activation rows against kRowsPerBlock rows of W: W's rows are read once, each load feeding NT dot products.
+template <int NT>
+inline void dot_block_bf16(const c10::BFloat16* const* xs, const c10::BFloat16* const* ws, int64_t in, int64_t vec_end,
+                           const char* ahead, float (*sums)[kRowsPerBlock]) {
+  constexpr int64_t kPairs = 32;
+  __m512 acc[NT][kRowsPerBlock];
+  for (int t = 0; t < NT; ++t)
+    for (int64_t k = 0; k < kRowsPerBlock; ++k) acc[t][k] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < vec_end; i += kPairs) {
+    if (ahead != nullptr)
+      for (int64_t k = 0; k < kRowsPerBlock; ++k) __builtin_prefetch(ahead + (k * in + i) * 2, 0, kLocality);
+    __m512bh xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = bf16_load32(xs[t] + i);
+    for (int64_t k = 0; k < kRowsPerBlock; ++k) {
+      const __m512bh wv = bf16_load32(ws[k] + i);
+      for (int t = 0; t < NT; ++t) acc[t][k] = _mm512_dpbf16_ps(acc[t][k], wv, xv[t]);
+    }
+  }
+  if constexpr (NT * kRowsPerBlock == 16) {  // the 16 sums at once (one horizontal sum each costs 8 steps)
+    alignas(64) float all[16];
+    _mm512_store_ps(all, sum_lanes16(&acc[0][0]));
+    for (int t = 0; t < NT; ++t)
+      for (int64_t k = 0; k < kRowsPerBlock; ++k) {
+        float s = all[t * kRowsPerBlock + k];
+        for (int64_t i = vec_end; i < in; ++i) s += load(ws[k][i]) * load(xs[t][i]);
+        sums[t][k] = s;
+      }
+    return;
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int64_t k = 0; k < kRowsPerBlock; ++k) {
+      float s = _mm512_reduce_add_ps(acc[t][k]);
+      for (int64_t i = vec_end; i < in; ++i) s += load(ws[k][i]) * load(xs[t][i]);
+      sums[t][k] = s;
+    }
+}
+
+void linear_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
+                      int64_t m, int64_t in, int64_t out, int64_t begin, int64_t end) {
+  const int64_t vec_end = in - in % 32;
+  int64_t r = begin;
+  for (; r + kRowsPerBlock <= end; r += kRowsPerBlock) {
+    const c10::BFloat16* ws[kRowsPerBlock] = {w + r * in, w + (r + 1) * in, w + (r + 2) * in, w + (r + 3) * in};
+    const char* ahead = reinterpret_cast<const char*>(ws[0] + kPrefetchRows * in);
+    for (int64_t t = 0; t < m;) {
+      const c10::BFloat16* xs[4] = {x + t * in, x + (t + 1) * in, x + (t + 2) * in, x + (t + 3) * in};
+      float sums[4][kRowsPerBlock];
+      const char* pf = t == 0 ? ahead : nullptr;  // the next blocks of W are asked for on the first pass only
+      const int64_t nt = m - t >= 4 ? 4 : m - t >= 2 ? 2 : 1;
+      if (nt == 4) dot_block_bf16<4>(xs, ws, in, vec_end, pf, sums);
+      else if (nt == 2) dot_block_bf16<2>(xs, ws, in, vec_end, pf, sums);
+      else dot_block_bf16<1>(xs, ws, in, vec_end, pf, sums);
+      for (int64_t u = 0; u < nt; ++u)
+        for (int64_t k = 0; k < kRowsPerBlock; ++k)
+          store(bias != nullptr ? sums[u][k] + load(bias[r + k]) : sums[u][k], y + (t + u) * out + r + k);
+      t += nt;
+    }
+  }
+  for (; r < end; ++r) {  // the rows left over
+    const c10::BFloat16* wr = w + r * in;
+    for (int64_t t = 0; t < m; ++t) {
+      const c10::BFloat16* xt = x + t * in;
+      float s = 0.f;
+      for (int64_t i = 0; i < in; ++i) s += load(wr[i]) * load(xt[i]);
+      store(bias != nullptr ? s + load(bias[r]) : s, y + t * out + r);
+    }
+  }
+}
+#endif
 
 // Output rows [begin, end) of every activation row: y[t, r] = sum_i x[t, i] W[r, i] (+ b[r]).
 template <typename T>
@@ -55,7 +140,12 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t
       const T* xb = xa + in;
       Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
       Vec b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+      const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * in);
       for (int64_t i = 0; i < vec_end; i += kLanes) {
+        if (t == 0 && (i * sizeof(T)) % 64 == 0) {
+          const int64_t off = i * sizeof(T);
+          for (int64_t k = 0; k < kRowsPerBlock; ++k) __builtin_prefetch(ahead + k * in * sizeof(T) + off, 0, kLocality);
+        }
         const Vec xav = vload(xa + i);
         const Vec xbv = vload(xb + i);
         Vec wv = vload(w0 + i);
@@ -90,7 +180,12 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t
     for (; t < m; ++t) {
       const T* xt = x + t * in;
       Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+      const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * in);
       for (int64_t i = 0; i < vec_end; i += kLanes) {
+        if ((i * sizeof(T)) % 64 == 0) {
+          const int64_t off = i * sizeof(T);
+          for (int64_t k = 0; k < kRowsPerBlock; ++k) __builtin_prefetch(ahead + k * in * sizeof(T) + off, 0, kLocality);
+        }
         const Vec xv = vload(xt + i);
         a0 = vfma(vload(w0 + i), xv, a0);
         a1 = vfma(vload(w1 + i), xv, a1);
@@ -128,8 +223,7 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "small_batch_linear: x [m, in] and weight [out, in]");
   TORCH_CHECK(x.size(1) == weight.size(1), "small_batch_linear: x has ", x.size(1), " columns, weight ",
               weight.size(1));
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "small_batch_linear: float32 x and weight only");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "small_batch_linear: x and weight dtypes differ");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == weight.size(0) && bias->scalar_type() == weight.scalar_type()),
               "small_batch_linear: bias must be [out] in the weight's dtype");
   const at::Tensor xc = x.contiguous();
@@ -137,14 +231,23 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
   const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
   const int64_t m = xc.size(0), in = xc.size(1), out = wc.size(0);
   at::Tensor y = at::empty({m, out}, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // whole blocks of rows to each thread (the grain: at least 16 blocks, 64 rows, a thread)
-  const int64_t blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    linear_rows(xp, wp, bp, yp, m, in, out, begin * kRowsPerBlock, std::min(out, end * kRowsPerBlock));
+  dispatch_float(xc, "small_batch_linear", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xp = xc.data_ptr<T>();
+    const T* wp = wc.data_ptr<T>();
+    const T* bp = bc.defined() ? bc.data_ptr<T>() : nullptr;
+    T* yp = y.data_ptr<T>();
+    // whole blocks of rows to each thread (the grain: at least 16 blocks, 64 rows, a thread)
+    const int64_t blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        linear_rows_bf16(xp, wp, bp, yp, m, in, out, begin * kRowsPerBlock, std::min(out, end * kRowsPerBlock));
+        return;
+      }
+#endif
+      linear_rows(xp, wp, bp, yp, m, in, out, begin * kRowsPerBlock, std::min(out, end * kRowsPerBlock));
+    });
   });
   return y;
 }

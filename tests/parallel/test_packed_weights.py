@@ -88,14 +88,12 @@ def test_a_backend_without_packing_leaves_every_layer_dense():
 
 def test_the_engine_keeps_dense_copies_for_the_small_batch_kernel_only_where_a_second_copy_fits(
         tiny_llama_dir, monkeypatch):
-    """In the AVX2 build (the one that has the kernel; on an AVX-512 CPU its AVX2 build is chosen here), with memory
-    to spare the released linear weights are held twice; greedy tokens are those of the packed products alone."""
+    """With memory to spare the released linear weights are held twice (every build with vector code has the kernel);
+    greedy tokens are those of the packed products alone."""
     from engine import LLM, SamplingParams
     from kernels import cpu_native
 
-    if "avx2" in cpu_native.runnable_isas():
-        monkeypatch.setenv("SHARDSERVE_CPU_ISA", "avx2")
-    assert cpu_native.load().vector_isa() == "avx2"
+    assert cpu_native.load().vector_isa() != "scalar"
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [[5, 9, 14, 3], [7, 7, 2]]
     results = {}
