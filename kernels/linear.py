@@ -1,19 +1,20 @@
 """A linear layer's matrix product, x W^T (+ bias): torch's F.linear, or oneDNN's on a weight packed once, or
 for a few rows of activations the native small-batch product on the weight as it is.
 
-Unpacked, each F.linear call on CPU reorders the weight into oneDNN's blocked layout before it
-multiplies; packed once at load, a bench-model decode step's matrix products run 1.3-1.7x faster at
-batch 1-50 (docs/BENCHMARKS.md, "Kernels"). Its bfloat16 results are bit-identical to F.linear's; float32's
-differ in the last bits (another summation order), as the native kernel's do in both dtypes. At batch 1-8 a product reads the whole weight for a few
+Unpacked, each F.linear call on CPU reorders the weight into oneDNN's blocked layout before it multiplies; packed
+once at load, a bench-model decode step's matrix products run 1.3-1.7x faster at batch 1-50 (docs/BENCHMARKS.md,
+"Kernels"). Its bfloat16 results are bit-identical to F.linear's; float32's differ in the last bits (another
+summation order), as the native kernel's do in both dtypes. At batch 1-8 a product reads the whole weight for a few
 rows: oneDNN's reads it at about half the rate two cores stream memory, and the native kernel
 (kernels/cpu/linear.cpp) near the full rate: 1.5x faster at batch 1 on the AVX2 EPYC (float32; docs/BENCHMARKS.md,
 "On the AVX2 EPYC"), 0.70x the time at batch 1 on the Intel Xeon with AMX (bfloat16; "Linears at batch 1-4: the
-native product on the dense weight"). It needs the weight in its own row-major layout, so a layer holds both
-copies where memory allows (the model runner decides) and the LM head always (its dense weight is kept for a tied embedding). A packed
-product of more than 256 rows runs on a row-count bucket, zero-padded (`padded_rows`), so that oneDNN builds a
-primitive per bucket and not per step size. Where oneDNN's own split of a bucket's product over the threads leaves
-one of them idle, the product runs on the rows cut into one part per thread instead (`SplitRowsChoice`). The kernel
-backend chooses the packer (kernels/backend.py); the parallel layers only hold what it returns.
+native product on the dense weight"). It needs the weight in its own row-major layout, so a layer holds both copies
+where memory allows (the model runner decides) and the LM head always (its dense weight is kept for a tied
+embedding). A packed product of more than 256 rows runs on a row-count bucket, zero-padded (`padded_rows`), so that
+oneDNN builds a primitive per bucket and not per step size. Where oneDNN's own split of a bucket's product over the
+threads leaves one of them idle, the product runs on the rows cut into one part per thread instead
+(`SplitRowsChoice`). The kernel backend chooses the packer (kernels/backend.py); the parallel layers only hold what
+it returns.
 """
 
 from __future__ import annotations
