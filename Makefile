@@ -54,6 +54,7 @@ bench: install
 	$(PY) -m scripts.bench_engine --write-doc
 	$(PY) -m scripts.bench_cpu_kernels --write-doc
 	$(PY) -m scripts.bench_decode_memory --write-doc
+	$(PY) -m scripts.bench_small_batch_linear --write-doc
 	$(PY) -m scripts.bench_row_buckets --write-doc
 	$(PY) -m scripts.bench_sampler --write-doc
 	$(PY) -m scripts.bench_structured_output --vllm-python "$$(bash scripts/setup_peer.sh)" --write-doc
