@@ -23,7 +23,7 @@ from kernels.activation import silu_and_mul_torch
 from kernels.attention import paged_decode_attention_torch, paged_prefill_attention_torch
 from kernels.bitmask import apply_token_bitmask_torch
 from kernels.cache import write_kv_cache_torch
-from kernels.linear import no_packing, onednn_packer
+from kernels.linear import no_packing, onednn_packer, small_batch_kernels
 from kernels.norm import rms_norm_torch
 from kernels.rotary import rotary_embedding_torch
 from kernels.sampling import sample_tokens_torch
@@ -184,8 +184,8 @@ def _native_cpu_backend(target: str, reference_bf16_prefill: bool) -> KernelBack
         TORCH,
         name="cpu",
         apply_token_bitmask=apply_token_bitmask,
-        # the small-batch product (a build with vector code: faster than oneDNN's at a few rows, kernels/linear.py)
-        pack_linear_weight=onednn_packer(native.small_batch_linear if native.vector_isa() != "scalar" else None,
+        # the small-batch products (a build with vector code: faster than oneDNN's at a few rows, kernels/linear.py)
+        pack_linear_weight=onednn_packer(small_batch_kernels(native) if native.vector_isa() != "scalar" else None,
                                          native.packed_linear_split_rows),
         sample_tokens=sample_tokens,
         write_kv_cache=write_kv_cache,

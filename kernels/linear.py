@@ -4,14 +4,15 @@ for a few rows of activations the native small-batch product on the weight as it
 Unpacked, each F.linear call on CPU reorders the weight into oneDNN's blocked layout before it multiplies; packed
 once at load, a bench-model decode step's matrix products run 1.3-1.7x faster at batch 1-50 (docs/BENCHMARKS.md,
 "Kernels"). Its bfloat16 results are bit-identical to F.linear's; float32's differ in the last bits (another
-summation order), as the native kernel's do in both dtypes. At batch 1-8 a product reads the whole weight for a few
-rows: oneDNN's reads it at about half the rate two cores stream memory, and the native kernel
-(kernels/cpu/linear.cpp) near the full rate: 1.5x faster at batch 1 on the AVX2 EPYC (float32; docs/BENCHMARKS.md,
-"On the AVX2 EPYC"), 0.70x the time at batch 1 on the Intel Xeon with AMX (bfloat16; "Linears at batch 1-4: the
-native product on the dense weight"). It needs the weight in its own row-major layout, so a layer holds both copies
-where memory allows (the model runner decides) and the LM head always (its dense weight is kept for a tied
-embedding). A packed product of more than 256 rows runs on a row-count bucket, zero-padded (`padded_rows`), so that
-oneDNN builds a primitive per bucket and not per step size. Where oneDNN's own split of a bucket's product over the
+summation order), as the native kernels' do in both dtypes. At batch 1-16 a product reads the whole weight for a
+few rows: oneDNN's reads it at about half the rate two cores stream memory, the native kernels
+(kernels/cpu/linear.cpp) near the full rate: the vector product on the weight as it is, 1.5x faster at batch 1 on
+the AVX2 EPYC (float32; docs/BENCHMARKS.md, "On the AVX2 EPYC"), and on CPUs with AMX the tile product on the
+weight laid out as tiles, 0.70-0.73x oneDNN's time at 1-16 rows (bfloat16; "Linears at batch 1-16: the native
+products on a second copy of the weight"). Each needs the weight in its own layout, so a layer holds two copies
+where memory allows (the model runner decides); the LM head always holds its dense weight (a tied embedding shares
+it). A packed product of more than 256 rows runs on a row-count bucket, zero-padded (`padded_rows`), so that oneDNN
+builds a primitive per bucket and not per step size. Where oneDNN's own split of a bucket's product over the
 threads leaves one of them idle, the product runs on the rows cut into one part per thread instead
 (`SplitRowsChoice`). The kernel backend chooses the packer (kernels/backend.py); the parallel layers only hold what
 it returns.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +33,37 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Rows of activations up to which the native small-batch product beats oneDNN's packed one, by weight dtype: float32
 # crosses between 8 and 16 rows (the AVX2 EPYC, docs/BENCHMARKS.md "On the AVX2 EPYC"; on the Intel Xeon with AMX
 # 0.75-0.80x oneDNN's time up to 8), bfloat16 between 6 and 8 on the Intel Xeon with AMX (0.70x at 1 row, 0.80x at 4,
-# 0.95x at 6, 1.09x at 8: "Linears at batch 1-4: the native product on the dense weight")
+# 0.95x at 6, 1.09x at 8: "Linears at batch 1-16: the native products on a second copy of the weight")
 SMALL_BATCH_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+# Rows up to which bfloat16 products run on AMX tiles where the CPU has them: a tile multiply takes 16 rows, and up to
+# 16 the product costs what reading the weight does (0.70-0.73x oneDNN's time at 1-16 rows on the Intel Xeon with AMX)
+AMX_SMALL_BATCH_MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class SmallBatchKernel:
+    """A native product for a few rows of activations, on a second copy of the weight in the layout it reads."""
+
+    layout: Callable[[torch.Tensor], torch.Tensor]  # the weight [out, in] -> the copy the kernel reads
+    product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # (x, copy, bias, out)
+    max_rows: int
+    shares_weight: bool  # the "copy" is the weight itself (no memory of its own where the weight stays)
+
+
+def small_batch_kernels(native) -> dict[torch.dtype, SmallBatchKernel]:
+    """The native build's small-batch products by weight dtype: the vector product on the weight as it is (float32,
+    and bfloat16 where the CPU has no AMX), the AMX tile product on the weight laid out as tiles (bfloat16)."""
+    def vector(dtype: torch.dtype) -> SmallBatchKernel:
+        return SmallBatchKernel(lambda weight: weight.detach(), lambda x, dense, bias, out: native.small_batch_linear(
+            x, dense, bias), SMALL_BATCH_MAX_ROWS[dtype], shares_weight=True)
+
+    kernels = {dtype: vector(dtype) for dtype in SMALL_BATCH_MAX_ROWS}
+    if native.amx_linear_available():
+        kernels[torch.bfloat16] = SmallBatchKernel(native.amx_weight_tiles, lambda x, tiles, bias, out: (
+            native.amx_small_batch_linear(x, tiles, out, bias)), AMX_SMALL_BATCH_MAX_ROWS, shares_weight=False)
+    return kernels
+
+
 # Row counts up to which oneDNN's packed product runs on the rows as they are (see padded_rows)
 EXACT_ROWS_MAX = 256
 # SHARDSERVE_LINEAR_ROW_BUCKETS=0: every product on its rows as they are (to measure what the buckets do)
@@ -111,17 +142,18 @@ class SplitRowsChoice:
 
 
 class PackedLinearWeight:
-    """A [out, in] CPU weight in oneDNN's blocked layout; with `small_batch` (the native kernel) also kept as it
-    is, for products of at most SMALL_BATCH_MAX_ROWS[its dtype] rows."""
+    """A [out, in] CPU weight in oneDNN's blocked layout; with `small_batch` (a native kernel for its dtype) also a
+    second copy in the layout that kernel reads, for products of at most its max_rows rows."""
 
-    def __init__(self, weight: torch.Tensor, small_batch: Callable | None = None,
+    def __init__(self, weight: torch.Tensor, small_batch: SmallBatchKernel | None = None,
                  split_rows: SplitRowsChoice | None = None):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        use_small = small_batch is not None and weight.dtype in SMALL_BATCH_MAX_ROWS
-        self.small_batch = small_batch if use_small else None
-        self.small_batch_rows = SMALL_BATCH_MAX_ROWS[weight.dtype] if use_small else 0
+        self.small_batch = small_batch
+        self.out_features = weight.shape[0]
         self.split_rows = split_rows if weight.dtype == torch.bfloat16 and SPLIT_ROWS else None
-        self.dense = weight.detach() if use_small else None  # keeps the weight's storage when the layer drops it
+        # keeps the weight's storage (or its tiles) when the layer drops it
+        self.dense = small_batch.layout(weight) if small_batch is not None else None
+        self.dtype = weight.dtype
 
     @property
     def nbytes(self) -> int:
@@ -130,12 +162,12 @@ class PackedLinearWeight:
 
     @property
     def dense_copy_bytes(self) -> int:
-        """The bytes of the dense copy held beside the packed one for the small-batch kernel (0: none)."""
+        """The bytes of the second copy held beside the packed one for the small-batch kernel (0: none)."""
         return self.dense.numel() * self.dense.element_size() if self.dense is not None else 0
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [n, in] -> [n, out]
-        if self.small_batch is not None and x.shape[0] <= self.small_batch_rows and x.dtype == self.dense.dtype:
-            return self.small_batch(x, self.dense, bias)
+        if self.small_batch is not None and x.shape[0] <= self.small_batch.max_rows and x.dtype == self.dtype:
+            return self.small_batch.product(x, self.dense, bias, self.out_features)
         rows = x.shape[0]
         padded = padded_rows(rows)
         product = onednn_linear
@@ -157,26 +189,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
-def no_packing(weight: torch.Tensor, keep_dense: bool = False) -> None:
+def no_packing(weight: torch.Tensor, keep_dense: bool = False, weight_stays: bool = False) -> None:
     """The torch and Triton backends multiply the weight as it is."""
     return None
 
 
-def onednn_packer(small_batch: Callable | None = None,
+def onednn_packer(small_batch: dict[torch.dtype, SmallBatchKernel] | None = None,
                   split_rows: Callable | None = None) -> Callable[..., PackedLinearWeight | None]:
-    """The native CPU backend's packer; `small_batch`: the native small-batch kernel, for the weights the caller
-    lets it keep dense (`keep_dense`); `split_rows`: the native product with the rows cut over the threads, for the
-    bfloat16 buckets where it is faster (SplitRowsChoice, one per packer: its choices hold for the shapes it packs)."""
+    """The native CPU backend's packer; `small_batch`: the native small-batch products by weight dtype, for the
+    weights the caller lets them keep a second copy of (`keep_dense`), or whose dense weight stays anyway
+    (`weight_stays`: the LM head, which a tied embedding shares) where the kernel reads that weight itself; `split_rows`: the native product with the rows
+    cut over the threads, for the bfloat16 buckets where it is faster (SplitRowsChoice, one per packer: its choices
+    hold for the shapes it packs)."""
     choice = SplitRowsChoice(split_rows) if split_rows is not None else None
+    kernels = small_batch or {}
 
-    def pack(weight: torch.Tensor, keep_dense: bool = False) -> PackedLinearWeight | None:
+    def pack(weight: torch.Tensor, keep_dense: bool = False, weight_stays: bool = False) -> PackedLinearWeight | None:
         """A CPU float32 or bfloat16 weight, packed; anything else as it is, and so is a bfloat16 weight on a CPU
         whose oneDNN cannot pack one (it needs AVX-512 or AVX-NE-CONVERT; on AVX2 alone its reorder raises, and
         F.linear still multiplies bfloat16)."""
         if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
             return None
         try:
-            return PackedLinearWeight(weight, small_batch if keep_dense else None, choice)
+            kernel = kernels.get(weight.dtype)
+            if kernel is not None and not keep_dense and not (weight_stays and kernel.shares_weight):
+                kernel = None
+            return PackedLinearWeight(weight, kernel, choice)
         except RuntimeError:
             if weight.dtype != torch.bfloat16:
                 raise

@@ -87,7 +87,7 @@ def pack_linear_weights(model: nn.Module, pack: Callable[..., PackedLinearWeight
         if not isinstance(module, (_OutputShardedLinear, RowParallelLinear, ParallelLMHead)):
             continue
         is_head = isinstance(module, ParallelLMHead)
-        packed = pack(module.weight, keep_dense=keep_dense or is_head)  # the head's dense weight stays anyway
+        packed = pack(module.weight, keep_dense=keep_dense, weight_stays=is_head)  # the head's dense weight stays
         if packed is None:
             continue
         module.packed_weight = packed
@@ -104,9 +104,17 @@ def _released_packed_weights(model: nn.Module) -> list[PackedLinearWeight]:
 
 
 def dense_copy_bytes(model: nn.Module) -> int:
-    """Bytes of the second, dense copies of packed linear weights that the small-batch kernel reads (not the LM
-    head's: that dense weight is the layer's own, counted by weight_bytes)."""
-    return sum(packed.dense_copy_bytes for packed in _released_packed_weights(model))
+    """Bytes of the second copies of packed linear weights that the small-batch kernels read (the dense weight, or its
+    AMX tiles), not counting a copy that is the layer's own weight (the LM head's dense weight: weight_bytes has it)."""
+    total = 0
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if packed is None or packed.dense is None:
+            continue
+        if module.weight.numel() and packed.dense.data_ptr() == module.weight.data_ptr():
+            continue
+        total += packed.dense_copy_bytes
+    return total
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -1,4 +1,4 @@
-"""A decode step's matrix products at a few rows: oneDNN's packed product against the native small-batch one (part
+"""A decode step's matrix products at a few rows: oneDNN's packed product against the native small-batch ones (part
 of `make bench`).
 
     python -m scripts.bench_small_batch_linear [--write-doc]
@@ -8,8 +8,10 @@ Every linear weight of a decode step, as the engine holds them (kernels/linear.p
 and the bench model's (8 layers of hidden 512, intermediate 1408, LM head 512 -> 32000), random, in bfloat16 and in
 float32. One call multiplies every weight of the step once, in the model's order, so each weight comes from memory
 as it does in a served step (the demo model's are ~270 MB in bfloat16), not from a cache that one weight called
-again and again would sit in. The two products alternate, --repeats rounds each; the table has the medians and the
-ratio (native / oneDNN: under 1.0, the native product is faster), which sets SMALL_BATCH_MAX_ROWS.
+again and again would sit in. The products alternate, --repeats rounds each; the table has the medians: oneDNN's
+packed product, the native vector product on the weight as it is (`small_batch_linear`), the AMX tile product on the
+weight laid out as tiles (`amx_small_batch_linear`, bfloat16 where the CPU has AMX), and which of them the engine
+runs at that row count (SMALL_BATCH_MAX_ROWS, AMX_SMALL_BATCH_MAX_ROWS).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 import torch
 
 from kernels import cpu_native
-from kernels.linear import SMALL_BATCH_MAX_ROWS, PackedLinearWeight, onednn_linear
+from kernels.linear import AMX_SMALL_BATCH_MAX_ROWS, PackedLinearWeight, onednn_linear, small_batch_kernels
 from scripts.doc_blocks import rewrite_block, timing_body
 
 BEGIN, END = "<!-- small-batch-linear:begin -->", "<!-- small-batch-linear:end -->"
@@ -44,34 +46,41 @@ def timed(fn) -> float:
 
 
 def time_model(model: str, dtype: torch.dtype, generator: torch.Generator, repeats: int, native) -> list[str]:
-    """One table row per row count: both products over every weight of `model`'s decode step."""
+    """One table row per row count: every product over every weight of `model`'s decode step."""
     weights = step_weights(model, dtype, generator)
     try:
         packed = [PackedLinearWeight(w).packed for w in weights]
     except RuntimeError:  # bfloat16 where oneDNN cannot pack it (AVX2 alone): the engine runs F.linear there
         print(f"{dtype}: oneDNN cannot pack it on this CPU; not timed", flush=True)
         return []
+    amx = dtype == torch.bfloat16 and native.amx_linear_available()
+    tiles = [native.amx_weight_tiles(w) for w in weights] if amx else []
+    engine_kernel = small_batch_kernels(native)[dtype]
     rows = []
     for count in ROWS:
         inputs = {n: torch.randn(count, n, generator=generator).to(dtype) for n in {w.shape[1] for w in weights}}
-
-        def onednn(xs=inputs):
-            for w, p in zip(weights, packed, strict=True):
-                onednn_linear(xs[w.shape[1]], p, None)
-
-        def small_batch(xs=inputs):
-            for w in weights:
-                native.small_batch_linear(xs[w.shape[1]], w, None)
-
-        onednn(), small_batch()  # warm-up (oneDNN's primitive for this row count)
-        onednn_ms, native_ms = [], []
+        products = {
+            "oneDNN": lambda xs=inputs: [onednn_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed,
+                                                                                                  strict=True)],
+            "vector": lambda xs=inputs: [native.small_batch_linear(xs[w.shape[1]], w, None) for w in weights],
+        }
+        if amx and count <= AMX_SMALL_BATCH_MAX_ROWS:
+            products["AMX"] = lambda xs=inputs: [native.amx_small_batch_linear(xs[w.shape[1]], t, w.shape[0], None)
+                                                 for w, t in zip(weights, tiles, strict=True)]
+        for product in products.values():  # warm-up (oneDNN's primitive for this row count)
+            product()
+        times = {name: [] for name in products}
         for _ in range(repeats):
-            onednn_ms.append(timed(onednn))
-            native_ms.append(timed(small_batch))
-        a, b = statistics.median(onednn_ms), statistics.median(native_ms)
-        used = "native" if count <= SMALL_BATCH_MAX_ROWS[dtype] else "oneDNN"
-        rows.append(f"| {str(dtype).removeprefix('torch.')} | {model} | {count} | {a:.2f} | {b:.2f} | {b / a:.2f} | "
-                    f"{used} |")
+            for name, product in products.items():
+                times[name].append(timed(product))
+        ms = {name: statistics.median(values) for name, values in times.items()}
+        if count > engine_kernel.max_rows:
+            used = "oneDNN"
+        else:
+            used = "AMX" if engine_kernel.max_rows == AMX_SMALL_BATCH_MAX_ROWS and amx else "vector"
+        amx_cell = f"{ms['AMX']:.2f}" if "AMX" in ms else "-"
+        rows.append(f"| {str(dtype).removeprefix('torch.')} | {model} | {count} | {ms['oneDNN']:.2f} | "
+                    f"{ms['vector']:.2f} | {amx_cell} | {ms[used] / ms['oneDNN']:.2f} | {used} |")
         print(rows[-1], flush=True)
     return rows
 
@@ -93,14 +102,15 @@ def main(argv=None) -> None:
             rows += time_model(model, dtype, generator, args.repeats, native)
     body = timing_body(
         f"{args.dtypes.replace(',', ' and ')}, a call: every weight of the step once",
-        ["dtype", "weights", "rows", "oneDNN packed ms", "native ms", "native / oneDNN", "the engine runs"],
+        ["dtype", "weights", "rows", "oneDNN packed ms", "vector ms", "AMX ms", "the engine's / oneDNN's",
+         "the engine runs"],
         rows,
         args.repeats,
         1,
         "python -m scripts.bench_small_batch_linear --write-doc",
     )
     if args.write_doc:
-        rewrite_block(BEGIN, END, body, "Linears at batch 1-4: the native product on the dense weight")
+        rewrite_block(BEGIN, END, body, "Linears at batch 1-16: the native products on a second copy of the weight")
 
 
 if __name__ == "__main__":

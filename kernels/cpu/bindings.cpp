@@ -21,6 +21,10 @@ at::Tensor sample_tokens(const at::Tensor& logits, const at::Tensor& temperature
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slot_mapping);
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+bool amx_linear_available();
+at::Tensor amx_weight_tiles(const at::Tensor& weight);
+at::Tensor amx_small_batch_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out,
+                                  const c10::optional<at::Tensor>& bias);
 at::Tensor packed_linear_split_rows(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);
 }  // namespace shardserve
@@ -63,6 +67,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_batch_linear", &shardserve::small_batch_linear, kNoGil,
         "x W^T (+ b) for a few rows of x, W [out, in] as it is (kernels/linear.py)", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
+  m.def("amx_linear_available", &shardserve::amx_linear_available,
+        "Whether amx_small_batch_linear runs here (an AMX build, and Linux lets the process use the tiles)");
+  m.def("amx_weight_tiles", &shardserve::amx_weight_tiles, kNoGil,
+        "A bfloat16 W [out, in] laid out as amx_small_batch_linear's tiles (kernels/linear.py)");
+  m.def("amx_small_batch_linear", &shardserve::amx_small_batch_linear, kNoGil,
+        "x W^T (+ b) for up to 16 bfloat16 rows of x on AMX tiles, W as amx_weight_tiles laid it out",
+        py::arg("x"), py::arg("tiles"), py::arg("out"), py::arg("bias") = py::none());
   m.def("packed_linear_split_rows", &shardserve::packed_linear_split_rows, kNoGil,
         "oneDNN's product on a packed weight, x's rows cut into one part per thread, each on its thread alone "
         "(kernels/linear.py)", py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());

@@ -13,6 +13,10 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace shardserve {
 
@@ -201,6 +205,34 @@ inline __m256 exp8(__m256 x) {
       _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(n_int, half), bias), 23));
   return _mm256_mul_ps(_mm256_mul_ps(p, two_to_half), two_to_rest);
 }
+#endif
+
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Linux gives a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+inline bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-7 all 16 rows x 64 bytes: the one configuration of the AMX kernels (paged_attention.cpp, linear.cpp), which
+// say what each tile holds. A thread's configuration stays until it loads another.
+inline void load_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
 #endif
 
 }  // namespace shardserve

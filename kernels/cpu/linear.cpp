@@ -2,7 +2,7 @@
 // ([out, in], row-major, float32 or bfloat16). At batch 1-8 a decode step's matrix products are
 // matrix-vector products bound by how fast W streams from memory; oneDNN's packed product and torch's
 // F.linear read it at about half of what two cores can stream (docs/BENCHMARKS.md, "On the AVX2 EPYC" and
-// "Linears at batch 1-4: the native product on the dense weight"). Here each thread streams its own rows of W, four
+// "Linears at batch 1-16: the native products on a second copy of the weight"). Here each thread streams its own rows of W, four
 // at a time, asking for the rows ahead, and multiplies them with every activation row while they are in L1,
 // accumulating in float32 (one vector accumulator per output, its lanes summed at the end: a summation order of its
 // own, as oneDNN's is).
@@ -41,7 +41,7 @@ constexpr int64_t kRowsPerBlock = 4;
 // read once a step, from memory, and the hardware prefetcher alone left the product at ~10 GB/s. The demo model's 121
 // products of a decode step at batch 1, bfloat16, from memory, on the Intel Xeon with AMX: 25.2 ms without, 16.4 with
 // (oneDNN's packed products: 22.1); 16 rows ahead no better, PREFETCHNTA slower (docs/BENCHMARKS.md, "Linears at
-// batch 1-4: the native product on the dense weight"). A prefetch past the weight's end is dropped (it never faults).
+// batch 1-16: the native products on a second copy of the weight"). A prefetch past the weight's end is dropped (it never faults).
 constexpr int64_t kPrefetchRows = 8;
 constexpr int kLocality = 2;
 
@@ -217,6 +217,33 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t
   }
 }
 
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The small-batch product on AMX tiles (bfloat16, 1-16 activation rows): one tile multiply takes 16 rows x 32 of `in`
+// against 32 x 16 outputs, so a product of up to 16 rows costs what reading W does (the vector code above does ~4
+// rows' worth of arithmetic per W load, and past 4 rows it is slower than oneDNN's). W is laid out once, at load, as B operands
+// (amx_weight_tiles): [out / 16 tiles][in / 32 steps][16 pairs of `in`][16 outputs][2], zero-padded, so that each
+// tile of 16 outputs is one contiguous stream and the threads share the tiles out evenly. Tiles: outputs 0-3 (four
+// tiles of outputs a pass over `in`), the activations 4, W 5.
+constexpr int64_t kTileOut = 16, kTileIn = 32, kTilesAPass = 4;
+constexpr int64_t kTileElems = 16 * 32;  // bfloat16s a tile
+// bytes of each tile's stream asked for ahead of the step being multiplied, into L2: one step of 32 columns (none,
+// two, four or eight steps measured alike or slower)
+constexpr int64_t kTileAheadBytes = kTileElems * 2;
+
+inline void prefetch_tile(const uint16_t* step, const char* last) {
+  const char* ahead = reinterpret_cast<const char*>(step) + kTileAheadBytes;
+  for (int64_t off = 0; off < kTileElems * 2 && ahead + off < last; off += 64) __builtin_prefetch(ahead + off, 0, 2);
+}
+
+// Output tile `tile`'s 16 float32 sums of row r, plus the bias, stored as bfloat16 outputs of y's row r.
+inline void store_tile_row(const float* sums, int64_t tile, int64_t r, int64_t out, const c10::BFloat16* bias,
+                           c10::BFloat16* y) {
+  const int64_t col = tile * kTileOut;
+  const int64_t live = std::min<int64_t>(kTileOut, out - col);
+  for (int64_t n = 0; n < live; ++n) store(bias != nullptr ? sums[n] + load(bias[col + n]) : sums[n], y + r * out + col + n);
+}
+#endif
+
 }  // namespace
 
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -250,6 +277,131 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
     });
   });
   return y;
+}
+
+bool amx_linear_available() {
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// W [out, in] bfloat16 as amx_small_batch_linear's B tiles (the layout is described with kTileOut).
+at::Tensor amx_weight_tiles(const at::Tensor& weight) {
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "amx_weight_tiles: bfloat16 [out, in]");
+  const at::Tensor w = weight.contiguous();
+  const int64_t out = w.size(0), in = w.size(1);
+  const int64_t tiles_out = (out + kTileOut - 1) / kTileOut, steps = (in + kTileIn - 1) / kTileIn;
+  at::Tensor tiles = at::zeros({tiles_out, steps, 16, 32}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(tiles.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, tiles_out, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile)
+      for (int64_t n = 0; n < kTileOut && tile * kTileOut + n < out; ++n) {
+        const uint16_t* row = src + (tile * kTileOut + n) * in;
+        for (int64_t c = 0; c < in; ++c)  // column c: step c / 32, pair (c % 32) / 2, element c % 2
+          dst[((tile * steps + c / kTileIn) * 16 + (c % kTileIn) / 2) * 32 + n * 2 + c % 2] = row[c];
+      }
+  });
+  return tiles;
+#else
+  TORCH_CHECK(false, "amx_weight_tiles: this build has no AMX code");
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+namespace {
+
+// kTilesAPass output tiles (C tiles 0 .. count - 1) over every step of `in`: A from the padded rows, B from each
+// tile's stream.
+template <int Count>
+void tiles_amx(const uint16_t* a, int64_t a_stride, const uint16_t* w, int64_t steps, int64_t first, const char* last,
+               int64_t m, int64_t out, const c10::BFloat16* bias, c10::BFloat16* y) {
+  alignas(64) float c[16][16];
+  const uint16_t* stream[kTilesAPass];
+  for (int t = 0; t < Count; ++t) stream[t] = w + (first + t) * steps * kTileElems;
+  _tile_zero(0);
+  if constexpr (Count > 1) _tile_zero(1);
+  if constexpr (Count > 2) _tile_zero(2);
+  if constexpr (Count > 3) _tile_zero(3);
+  for (int64_t k = 0; k < steps; ++k) {
+    for (int t = 0; t < Count; ++t) prefetch_tile(stream[t] + k * kTileElems, last);
+    _tile_loadd(4, a + k * kTileIn, a_stride * 2);
+    _tile_loadd(5, stream[0] + k * kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (Count > 1) {
+      _tile_loadd(5, stream[1] + k * kTileElems, 64);
+      _tile_dpbf16ps(1, 4, 5);
+    }
+    if constexpr (Count > 2) {
+      _tile_loadd(5, stream[2] + k * kTileElems, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (Count > 3) {
+      _tile_loadd(5, stream[3] + k * kTileElems, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  for (int t = 0; t < Count; ++t) {
+    switch (t) {
+      case 0: _tile_stored(0, c, 64); break;
+      case 1: _tile_stored(1, c, 64); break;
+      case 2: _tile_stored(2, c, 64); break;
+      default: _tile_stored(3, c, 64); break;
+    }
+    for (int64_t r = 0; r < m; ++r) store_tile_row(c[r], first + t, r, out, bias, y);
+  }
+}
+
+}  // namespace
+#endif
+
+// y = x W^T (+ b) for up to 16 bfloat16 rows of x, W as amx_weight_tiles laid it out (`out` its rows).
+at::Tensor amx_small_batch_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out,
+                                  const c10::optional<at::Tensor>& bias) {
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  TORCH_CHECK(amx_permitted(), "amx_small_batch_linear: this process may not use AMX tiles");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 && x.size(0) <= 16,
+              "amx_small_batch_linear: x must be [1 <= m <= 16, in], bfloat16");
+  TORCH_CHECK(tiles.dim() == 4 && tiles.scalar_type() == at::kBFloat16 && tiles.is_contiguous() &&
+                  tiles.size(2) == 16 && tiles.size(3) == 32,
+              "amx_small_batch_linear: tiles must be amx_weight_tiles' layout");
+  const int64_t m = x.size(0), in = x.size(1), tiles_out = tiles.size(0), steps = tiles.size(1);
+  TORCH_CHECK((in + kTileIn - 1) / kTileIn == steps && (out + kTileOut - 1) / kTileOut == tiles_out,
+              "amx_small_batch_linear: x has ", in, " columns and ", out, " outputs; the tiles are of another shape");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == out && bias->scalar_type() == at::kBFloat16),
+              "amx_small_batch_linear: bias must be [out], bfloat16");
+  const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const c10::BFloat16* bp = bc.defined() ? bc.data_ptr<c10::BFloat16>() : nullptr;
+  // the A operand: x's rows zero-padded to 16 rows and to whole steps of `in`
+  const int64_t a_stride = steps * kTileIn;
+  std::vector<uint16_t> padded(16 * a_stride, 0);
+  const at::Tensor xc = x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  for (int64_t r = 0; r < m; ++r) std::copy(xp + r * in, xp + (r + 1) * in, padded.data() + r * a_stride);
+  const uint16_t* a = padded.data();
+  at::Tensor y = at::empty({m, out}, x.options());
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(tiles.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, tiles_out, 1, [&](int64_t begin, int64_t end) {
+    load_tile_config();
+    const char* last = reinterpret_cast<const char*>(w + end * steps * kTileElems);
+    int64_t tile = begin;
+    for (; tile + kTilesAPass <= end; tile += kTilesAPass)
+      tiles_amx<kTilesAPass>(a, a_stride, w, steps, tile, last, m, out, bp, yp);
+    switch (end - tile) {
+      case 3: tiles_amx<3>(a, a_stride, w, steps, tile, last, m, out, bp, yp); break;
+      case 2: tiles_amx<2>(a, a_stride, w, steps, tile, last, m, out, bp, yp); break;
+      case 1: tiles_amx<1>(a, a_stride, w, steps, tile, last, m, out, bp, yp); break;
+      default: break;
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "amx_small_batch_linear: this build has no AMX code");
+#endif
 }
 
 // oneDNN's product on a packed weight (torch's mkldnn::_linear_pointwise) with the rows of x cut into one part per

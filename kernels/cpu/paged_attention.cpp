@@ -24,11 +24,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 #include "common.h"
 
 namespace shardserve {
@@ -521,33 +516,10 @@ void prefill_attention(
 // (the rows are the A operand, read from `query` with its row stride where they are 16 positions of one head, else
 // through a zero-padded copy), each row's softmax in float32 on AVX-512 (scaled, causal, past-the-context keys at
 // zero weight), the weights rounded to bfloat16 as the A operand of P V (as torch's bfloat16 attention rounds
-// them), and the output normalised by the float32 sums. Every tile is 16 rows x 64 bytes: one configuration.
-// Scores, weights and outputs stay in this thread's buffers.
-
-// Linux gives a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
-bool amx_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles (the intrinsics take their numbers as literals): Q K^T: scores 6, keys 7, the query's 32-dim parts 2-5;
-// P V: outputs 0-3 (16 dims each), weights 4, values 5.
-void load_tile_config() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
+// them), and the output normalised by the float32 sums. Every tile is 16 rows x 64 bytes: one configuration
+// (common.h load_tile_config). Scores, weights and outputs stay in this thread's buffers. Tiles (the intrinsics take
+// their numbers as literals): Q K^T: scores 6, keys 7, the query's 32-dim parts 2-5; P V: outputs 0-3 (16 dims
+// each), weights 4, values 5.
 
 // One cache block's 16 keys (`count` of them live) as the B operands of Q K^T, D / 32 of them: row w of part p is
 // the dim pair 16 p + w of each key, one 32-bit gather per row; keys past `count` zero.

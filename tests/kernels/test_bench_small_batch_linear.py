@@ -1,9 +1,10 @@
-"""scripts/bench_small_batch_linear.py times both products at every row count and says which the engine runs
-(no timing is asserted)."""
+"""scripts/bench_small_batch_linear.py times every product at every row count and says which the engine runs (no
+timing is asserted)."""
 
 import torch
 
-from kernels.linear import SMALL_BATCH_MAX_ROWS
+from kernels import cpu_native
+from kernels.linear import small_batch_kernels
 from scripts.bench_small_batch_linear import ROWS, main
 
 
@@ -15,13 +16,17 @@ def onednn_packs_bfloat16() -> bool:
     return True
 
 
-def test_every_row_count_is_timed_both_ways_and_the_engines_choice_named(capsys):
+def test_every_row_count_is_timed_and_the_engines_choice_named(capsys):
     main(["--repeats", "1", "--models", "bench model"])
     rows = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     packable = ["bfloat16"] if onednn_packs_bfloat16() else []
     assert [(dtype, int(count)) for dtype, _, count, *_ in rows] == [
         (dtype, count) for dtype in (*packable, "float32") for count in ROWS]
-    for dtype, model, count, onednn_ms, native_ms, ratio, used in rows:
-        assert model == "bench model" and float(onednn_ms) > 0 and float(native_ms) > 0 and float(ratio) > 0
-        limit = SMALL_BATCH_MAX_ROWS[getattr(torch, dtype)]
-        assert used == ("native" if int(count) <= limit else "oneDNN")
+    native = cpu_native.load()
+    kernels = small_batch_kernels(native)
+    for dtype, model, count, onednn_ms, vector_ms, amx_ms, ratio, used in rows:
+        assert model == "bench model" and float(onednn_ms) > 0 and float(vector_ms) > 0 and float(ratio) > 0
+        amx = dtype == "bfloat16" and native.amx_linear_available()
+        assert (amx_ms != "-") == (amx and int(count) <= 16)
+        kernel = kernels[getattr(torch, dtype)]
+        assert used == ("oneDNN" if int(count) > kernel.max_rows else "AMX" if amx else "vector")

@@ -86,29 +86,48 @@ def test_a_backend_without_packing_leaves_every_layer_dense():
     assert layer.packed_weight is None and layer.weight.shape == (8, 16)
 
 
-def test_the_engine_keeps_dense_copies_for_the_small_batch_kernel_only_where_a_second_copy_fits(
-        tiny_llama_dir, monkeypatch):
-    """With memory to spare the released linear weights are held twice (every build with vector code has the kernel);
-    greedy tokens are those of the packed products alone."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_keeps_second_copies_for_the_small_batch_kernels_only_where_they_fit(tiny_llama_dir, monkeypatch,
+                                                                                         dtype):
+    """With memory to spare the released linear weights are held twice (every build with vector code has the kernels;
+    bfloat16 on AMX: as tiles). float32: greedy tokens are those of the packed products alone. bfloat16: the two
+    products round differently in the last bit, so the top logprobs agree to bfloat16's precision, and the tokens do
+    until a near tie (top two within it) goes the other way."""
     from engine import LLM, SamplingParams
     from kernels import cpu_native
 
     assert cpu_native.load().vector_isa() != "scalar"
-    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
     prompts = [[5, 9, 14, 3], [7, 7, 2]]
     results = {}
     for free in (1 << 40, 1 << 20):
         monkeypatch.setattr("engine.model_runner.available_memory_bytes", lambda free=free: free)
-        llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, kernel_backend="cpu")
+        llm = LLM(model=str(tiny_llama_dir), dtype=dtype, max_model_len=128, kernel_backend="cpu")
         try:
             (memory,) = llm.engine.executor.memory()
             runner = llm.engine.executor._live_runner()
-            released = sum(m.packed_weight.nbytes for m in runner.model.modules()
-                           if getattr(m, "packed_weight", None) is not None and m.weight.numel() == 0)
-            tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy)]
+            released = [m.packed_weight for m in runner.model.modules()
+                        if getattr(m, "packed_weight", None) is not None and m.weight.numel() == 0]
+            outputs = [out.outputs[0] for out in llm.generate(prompts, greedy)]
         finally:
             llm.shutdown()
-        results[free] = (memory.dense_copy_bytes, released, tokens)
+        results[free] = (memory.dense_copy_bytes, released, outputs)
     (kept, released, with_copies), (none, _, packed_only) = results[1 << 40], results[1 << 20]
-    assert released > 0 and kept == released and none == 0
-    assert with_copies == packed_only
+    assert none == 0
+    if not released:  # bfloat16 where oneDNN cannot pack it (AVX2 alone): nothing packed, nothing copied
+        assert dtype == "bfloat16" and kept == 0
+        return
+    # (the LM head's tiles, where it has them, count too: its dense weight stays, but tiles are a copy of their own)
+    assert kept >= sum(packed.dense_copy_bytes for packed in released) >= sum(packed.nbytes for packed in released)
+    if dtype == "float32":
+        assert kept == sum(packed.nbytes for packed in released)
+        assert [out.token_ids for out in with_copies] == [out.token_ids for out in packed_only]
+        return
+    for a, b in zip(with_copies, packed_only, strict=True):
+        for token_a, token_b, top_a, top_b in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True):
+            for token in top_a.keys() & top_b.keys():
+                assert abs(top_a[token] - top_b[token]) < 0.05
+            if token_a != token_b:
+                first, second = sorted(top_b.values(), reverse=True)[:2]
+                assert first - second < 0.05  # a near tie: from here on the sequences differ
+                break
