@@ -8,7 +8,7 @@ summation order), as the native kernels' do in both dtypes. At batch 1-16 a prod
 few rows: oneDNN's reads it at about half the rate two cores stream memory, the native kernels
 (kernels/cpu/linear.cpp) near the full rate: the vector product on the weight as it is, 1.5x faster at batch 1 on
 the AVX2 EPYC (float32; docs/BENCHMARKS.md, "On the AVX2 EPYC"), and on CPUs with AMX the tile product on the
-weight laid out as tiles, 0.70-0.73x oneDNN's time at 1-16 rows (bfloat16; "Linears at batch 1-16: the native
+weight laid out as tiles, 0.68-0.77x oneDNN's time at 1-16 rows (bfloat16; "Linears at batch 1-16: the native
 products on a second copy of the weight"). Each needs the weight in its own layout, so a layer holds two copies
 where memory allows (the model runner decides); the LM head always holds its dense weight (a tied embedding shares
 it). A packed product of more than 256 rows runs on a row-count bucket, zero-padded (`padded_rows`), so that oneDNN
@@ -32,11 +32,12 @@ from kernels import switched_on
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Rows of activations up to which the native small-batch product beats oneDNN's packed one, by weight dtype: float32
 # crosses between 8 and 16 rows (the AVX2 EPYC, docs/BENCHMARKS.md "On the AVX2 EPYC"; on the Intel Xeon with AMX
-# 0.75-0.80x oneDNN's time up to 8), bfloat16 between 6 and 8 on the Intel Xeon with AMX (0.70x at 1 row, 0.80x at 4,
-# 0.95x at 6, 1.09x at 8: "Linears at batch 1-16: the native products on a second copy of the weight")
+# 0.75-0.79x oneDNN's time up to 8), bfloat16 between 4 and 6 (the vector product runs it where the CPU has no AMX;
+# on the Intel Xeon with AMX 0.72x at 1 row, 0.89x at 4, 1.06x at 6: docs/BENCHMARKS.md "Linears at batch 1-16: the
+# native products on a second copy of the weight")
 SMALL_BATCH_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
 # Rows up to which bfloat16 products run on AMX tiles where the CPU has them: a tile multiply takes 16 rows, and up to
-# 16 the product costs what reading the weight does (0.70-0.73x oneDNN's time at 1-16 rows on the Intel Xeon with AMX)
+# 16 the product costs what reading the weight does (0.68-0.77x oneDNN's time at 1-16 rows on the Intel Xeon with AMX)
 AMX_SMALL_BATCH_MAX_ROWS = 16
 
 
