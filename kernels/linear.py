@@ -154,7 +154,6 @@ class PackedLinearWeight:
         self.split_rows = split_rows if weight.dtype == torch.bfloat16 and SPLIT_ROWS else None
         # keeps the weight's storage (or its tiles) when the layer drops it
         self.dense = small_batch.layout(weight) if small_batch is not None else None
-        self.dtype = weight.dtype
 
     @property
     def nbytes(self) -> int:
@@ -167,7 +166,7 @@ class PackedLinearWeight:
         return self.dense.numel() * self.dense.element_size() if self.dense is not None else 0
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [n, in] -> [n, out]
-        if self.small_batch is not None and x.shape[0] <= self.small_batch.max_rows and x.dtype == self.dtype:
+        if self.small_batch is not None and x.shape[0] <= self.small_batch.max_rows and x.dtype == self.dense.dtype:
             return self.small_batch.product(x, self.dense, bias, self.out_features)
         rows = x.shape[0]
         padded = padded_rows(rows)

@@ -43,7 +43,11 @@ constexpr int64_t kRowsPerBlock = 4;
 // (oneDNN's packed products: 22.1); 16 rows ahead no better, PREFETCHNTA slower (docs/BENCHMARKS.md, "Linears at
 // batch 1-16: the native products on a second copy of the weight"). A prefetch past the weight's end is dropped (it never faults).
 constexpr int64_t kPrefetchRows = 8;
-constexpr int kLocality = 2;
+
+// The cache line at byte `offset` of each of the kRowsPerBlock rows (of `row_bytes` each) from `ahead` on, into L2.
+inline void prefetch_rows(const char* ahead, int64_t row_bytes, int64_t offset) {
+  for (int64_t k = 0; k < kRowsPerBlock; ++k) __builtin_prefetch(ahead + k * row_bytes + offset, 0, 2);
+}
 
 #if defined(__AVX512BF16__)
 // linear_rows for bfloat16 x and W on CPUs with AVX512-BF16: 32 weights a load, their products with x's pairs summed
@@ -61,8 +65,7 @@ inline void dot_block_bf16(const c10::BFloat16* const* xs, const c10::BFloat16* 
   for (int t = 0; t < NT; ++t)
     for (int64_t k = 0; k < kRowsPerBlock; ++k) acc[t][k] = _mm512_setzero_ps();
   for (int64_t i = 0; i < vec_end; i += kPairs) {
-    if (ahead != nullptr)
-      for (int64_t k = 0; k < kRowsPerBlock; ++k) __builtin_prefetch(ahead + (k * in + i) * 2, 0, kLocality);
+    if (ahead != nullptr) prefetch_rows(ahead, in * 2, i * 2);
     __m512bh xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = bf16_load32(xs[t] + i);
     for (int64_t k = 0; k < kRowsPerBlock; ++k) {
@@ -70,56 +73,21 @@ inline void dot_block_bf16(const c10::BFloat16* const* xs, const c10::BFloat16* 
       for (int t = 0; t < NT; ++t) acc[t][k] = _mm512_dpbf16_ps(acc[t][k], wv, xv[t]);
     }
   }
+  alignas(64) float lanes[NT * kRowsPerBlock];  // each accumulator's lanes summed
   if constexpr (NT * kRowsPerBlock == 16) {  // the 16 sums at once (one horizontal sum each costs 8 steps)
-    alignas(64) float all[16];
-    _mm512_store_ps(all, sum_lanes16(&acc[0][0]));
+    _mm512_store_ps(lanes, sum_lanes16(&acc[0][0]));
+  } else {
     for (int t = 0; t < NT; ++t)
-      for (int64_t k = 0; k < kRowsPerBlock; ++k) {
-        float s = all[t * kRowsPerBlock + k];
-        for (int64_t i = vec_end; i < in; ++i) s += load(ws[k][i]) * load(xs[t][i]);
-        sums[t][k] = s;
-      }
-    return;
+      for (int64_t k = 0; k < kRowsPerBlock; ++k) lanes[t * kRowsPerBlock + k] = _mm512_reduce_add_ps(acc[t][k]);
   }
   for (int t = 0; t < NT; ++t)
     for (int64_t k = 0; k < kRowsPerBlock; ++k) {
-      float s = _mm512_reduce_add_ps(acc[t][k]);
+      float s = lanes[t * kRowsPerBlock + k];
       for (int64_t i = vec_end; i < in; ++i) s += load(ws[k][i]) * load(xs[t][i]);
       sums[t][k] = s;
     }
 }
 
-void linear_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
-                      int64_t m, int64_t in, int64_t out, int64_t begin, int64_t end) {
-  const int64_t vec_end = in - in % 32;
-  int64_t r = begin;
-  for (; r + kRowsPerBlock <= end; r += kRowsPerBlock) {
-    const c10::BFloat16* ws[kRowsPerBlock] = {w + r * in, w + (r + 1) * in, w + (r + 2) * in, w + (r + 3) * in};
-    const char* ahead = reinterpret_cast<const char*>(ws[0] + kPrefetchRows * in);
-    for (int64_t t = 0; t < m;) {
-      const c10::BFloat16* xs[4] = {x + t * in, x + (t + 1) * in, x + (t + 2) * in, x + (t + 3) * in};
-      float sums[4][kRowsPerBlock];
-      const char* pf = t == 0 ? ahead : nullptr;  // the next blocks of W are asked for on the first pass only
-      const int64_t nt = m - t >= 4 ? 4 : m - t >= 2 ? 2 : 1;
-      if (nt == 4) dot_block_bf16<4>(xs, ws, in, vec_end, pf, sums);
-      else if (nt == 2) dot_block_bf16<2>(xs, ws, in, vec_end, pf, sums);
-      else dot_block_bf16<1>(xs, ws, in, vec_end, pf, sums);
-      for (int64_t u = 0; u < nt; ++u)
-        for (int64_t k = 0; k < kRowsPerBlock; ++k)
-          store(bias != nullptr ? sums[u][k] + load(bias[r + k]) : sums[u][k], y + (t + u) * out + r + k);
-      t += nt;
-    }
-  }
-  for (; r < end; ++r) {  // the rows left over
-    const c10::BFloat16* wr = w + r * in;
-    for (int64_t t = 0; t < m; ++t) {
-      const c10::BFloat16* xt = x + t * in;
-      float s = 0.f;
-      for (int64_t i = 0; i < in; ++i) s += load(wr[i]) * load(xt[i]);
-      store(bias != nullptr ? s + load(bias[r]) : s, y + t * out + r);
-    }
-  }
-}
 #endif
 
 // Output rows [begin, end) of every activation row: y[t, r] = sum_i x[t, i] W[r, i] (+ b[r]).
@@ -142,10 +110,7 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t
       Vec b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
       const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * in);
       for (int64_t i = 0; i < vec_end; i += kLanes) {
-        if (t == 0 && (i * sizeof(T)) % 64 == 0) {
-          const int64_t off = i * sizeof(T);
-          for (int64_t k = 0; k < kRowsPerBlock; ++k) __builtin_prefetch(ahead + k * in * sizeof(T) + off, 0, kLocality);
-        }
+        if (t == 0 && (i * sizeof(T)) % 64 == 0) prefetch_rows(ahead, in * sizeof(T), i * sizeof(T));
         const Vec xav = vload(xa + i);
         const Vec xbv = vload(xb + i);
         Vec wv = vload(w0 + i);
@@ -182,10 +147,7 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t
       Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
       const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRows * in);
       for (int64_t i = 0; i < vec_end; i += kLanes) {
-        if ((i * sizeof(T)) % 64 == 0) {
-          const int64_t off = i * sizeof(T);
-          for (int64_t k = 0; k < kRowsPerBlock; ++k) __builtin_prefetch(ahead + k * in * sizeof(T) + off, 0, kLocality);
-        }
+        if ((i * sizeof(T)) % 64 == 0) prefetch_rows(ahead, in * sizeof(T), i * sizeof(T));
         const Vec xv = vload(xt + i);
         a0 = vfma(vload(w0 + i), xv, a0);
         a1 = vfma(vload(w1 + i), xv, a1);
@@ -216,6 +178,33 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t
     }
   }
 }
+
+#if defined(__AVX512BF16__)
+// linear_rows for bfloat16 on CPUs with AVX512-BF16: blocks of kRowsPerBlock rows of W by dot_block_bf16.
+void linear_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
+                      int64_t m, int64_t in, int64_t out, int64_t begin, int64_t end) {
+  const int64_t vec_end = in - in % 32;
+  int64_t r = begin;
+  for (; r + kRowsPerBlock <= end; r += kRowsPerBlock) {
+    const c10::BFloat16* ws[kRowsPerBlock] = {w + r * in, w + (r + 1) * in, w + (r + 2) * in, w + (r + 3) * in};
+    const char* ahead = reinterpret_cast<const char*>(ws[0] + kPrefetchRows * in);
+    for (int64_t t = 0; t < m;) {
+      const c10::BFloat16* xs[4] = {x + t * in, x + (t + 1) * in, x + (t + 2) * in, x + (t + 3) * in};
+      float sums[4][kRowsPerBlock];
+      const char* pf = t == 0 ? ahead : nullptr;  // the next blocks of W are asked for on the first pass only
+      const int64_t nt = m - t >= 4 ? 4 : m - t >= 2 ? 2 : 1;
+      if (nt == 4) dot_block_bf16<4>(xs, ws, in, vec_end, pf, sums);
+      else if (nt == 2) dot_block_bf16<2>(xs, ws, in, vec_end, pf, sums);
+      else dot_block_bf16<1>(xs, ws, in, vec_end, pf, sums);
+      for (int64_t u = 0; u < nt; ++u)
+        for (int64_t k = 0; k < kRowsPerBlock; ++k)
+          store(bias != nullptr ? sums[u][k] + load(bias[r + k]) : sums[u][k], y + (t + u) * out + r + k);
+      t += nt;
+    }
+  }
+  linear_rows(x, w, bias, y, m, in, out, r, end);  // the rows left over (fewer than a block)
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // The small-batch product on AMX tiles (bfloat16, 1-16 activation rows): one tile multiply takes 16 rows x 32 of `in`
