@@ -230,9 +230,13 @@ class LLMServer:
 
     def check_health(self) -> None:
         """Serve's health check: fails while the engine is dead and not being rebuilt, so Serve replaces this
-        replica (which exits by itself where it does not rebuild: app/engine_recovery.py)."""
+        replica (which exits by itself where it does not rebuild: app/engine_recovery.py), and while the engine's
+        loop is stuck on a rank Ray reported lost (it would never mark the engine dead)."""
         if not self.engine.is_running and not self.recovery.rebuilding():
             raise RuntimeError(f"the engine is not running: {self.engine.dead_reason}")
+        stuck = self.engine.unnoticed_rank_loss()
+        if stuck is not None:
+            raise RuntimeError(f"the engine loop is stuck: {stuck}")
 
     def __del__(self):
         drain = getattr(self, "drain", None)

@@ -19,7 +19,10 @@ Failure: a step that raises (a dead worker, a device error) ends the loop; as it
 open stream with EngineDeadError, and `generate` refuses new requests from then on. Opening a stream and
 that farewell take one lock, so a request that arrives while the loop dies is refused or failed, never
 left waiting. While idle the loop asks the executor every `IDLE_HEALTH_CHECK_S` whether its workers are
-alive, so a worker that dies between requests marks the engine dead without waiting for one.
+alive, so a worker that dies between requests marks the engine dead without waiting for one. A loop that is
+stuck instead (in a step whose collective waits on the lost rank) never notices: `unnoticed_rank_loss`, which
+Serve's health check asks from another thread, reports a rank Ray has reported lost for `LOST_RANK_GRACE_S`
+while the loop still runs, with the loop thread's stack, so that Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import sys
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -50,6 +55,10 @@ SHUTDOWN_TIMEOUT_S = 30.0
 IDLE_HEALTH_CHECK_S = 0.5
 # how long the loop must have had nothing to do before it runs a unit of idle work (LLMEngine.warm_up_idle)
 WARM_UP_QUIET_S = 0.05
+# How long a rank may be reported lost while the loop still runs before the loop counts as stuck: past the time the
+# loop takes to act on a loss (at once in a step, within IDLE_HEALTH_CHECK_S while idle, then up to the executor's
+# 5 s wait for Ray's account of the failure).
+LOST_RANK_GRACE_S = 10.0
 
 
 # What callers put in the loop's inbox (any thread); the loop thread applies them before its next step.
@@ -107,6 +116,9 @@ class _EngineLoop:
         # set, under `streams_lock`, once the loop has failed its open streams: no stream opens after it
         self.closed = False
         self.streams_lock = threading.Lock()
+        # when `unnoticed_rank_loss` first saw a lost rank (Serve's health check's thread), and whether it logged it
+        self.rank_lost_at: float | None = None
+        self.stuck_logged = False
         self.engine: LLMEngine | None = None
         built = threading.Event()
         self.thread = threading.Thread(
@@ -334,6 +346,30 @@ class AsyncLLMEngine:
         engine_loop = self._engine_loop
         return (engine_loop.thread.is_alive() and engine_loop.error is None and not engine_loop.stopped
                 and not engine_loop.closed)
+
+    def unnoticed_rank_loss(self, grace_s: float = LOST_RANK_GRACE_S) -> str | None:
+        """A rank Ray has reported lost for `grace_s` while the engine loop still runs: the loop is stuck (e.g. in a
+        collective that waits on that rank) and will not mark the engine dead. Any thread, non-blocking (Serve's
+        health check fails on it, so Serve replaces the replica); logs the loop thread's stack the first time.
+        None while every rank lives or the loop has acted on the loss."""
+        engine_loop = self._engine_loop
+        lost = engine_loop.engine.lost_rank() if self.is_running else None
+        if lost is None:
+            engine_loop.rank_lost_at = None
+            return None
+        now = time.monotonic()
+        if engine_loop.rank_lost_at is None:
+            engine_loop.rank_lost_at = now
+        waited = now - engine_loop.rank_lost_at
+        if waited < grace_s:
+            return None
+        frame = sys._current_frames().get(engine_loop.thread.ident)
+        where = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(no stack)"
+        reason = f"{lost}, reported {waited:.1f} s ago, and the engine loop has not acted on it; it is at:\n{where}"
+        if not engine_loop.stuck_logged:
+            engine_loop.stuck_logged = True
+            logger.error("the engine loop is stuck: %s", reason)
+        return reason
 
     @property
     def dead_reason(self) -> str | None:

@@ -289,6 +289,10 @@ class LLMEngine:
         """Raise EngineDeadError if the executor lost a worker (cheap: the async engine calls it while idle)."""
         self.executor.check_health()
 
+    def lost_rank(self) -> str | None:
+        """A rank the executor lost that nobody has acted on yet (any thread; see Executor.lost_rank)."""
+        return self.executor.lost_rank()
+
     def shutdown(self) -> None:
         """Release what the executor started (threads, worker actors, placement group); idempotent."""
         self.executor.shutdown()

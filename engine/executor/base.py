@@ -38,6 +38,10 @@ class Executor(Protocol):
         """Raise EngineDeadError if a rank is lost (cheap, non-blocking: called while idle)."""
         ...
 
+    def lost_rank(self) -> str | None:
+        """A rank that Ray reports lost, without acting on it (any thread, non-blocking); None while all live."""
+        ...
+
     def warm_up_idle(self) -> bool:
         """One unit of work to do while no request runs (engine/warmup.py); whether any is left."""
         ...

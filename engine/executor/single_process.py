@@ -32,6 +32,9 @@ class SingleProcessExecutor:
     def check_health(self) -> None:
         self._live_runner()
 
+    def lost_rank(self) -> str | None:
+        return None  # the one rank is this process
+
     def warm_up_idle(self) -> bool:
         """One unit of the runner's idle warm-up; whether any is left."""
         return self.runner is not None and self.runner.warm_up_idle()

@@ -121,6 +121,15 @@ class TensorParallelExecutor:
             self._fail(f"tensor-parallel worker lost: {_describe(failure or 'a worker left its loop')}")
             raise EngineDeadError(self._dead)
 
+    def lost_rank(self) -> str | None:
+        """A worker whose loop has ended (it died or left), as Ray reports it, without acting on it: safe from any
+        thread while the engine's own thread runs a step (Serve's health check asks it: AsyncLLMEngine)."""
+        loops = self._ranks.loops  # the list of this moment (a release swaps in an empty one)
+        if not loops:
+            return None
+        ended, _ = ray.wait(loops, num_returns=1, timeout=0)
+        return f"tensor-parallel worker rank {1 + loops.index(ended[0])} is lost" if ended else None
+
     def warm_up_idle(self) -> bool:
         """One unit of the idle warm-up on every rank (each rank's shard has the same shapes, so the same units):
         rank 0 broadcasts a `WarmUpUnit` in place of a step and runs its own; whether any is left."""
