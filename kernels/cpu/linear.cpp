@@ -207,13 +207,14 @@ void linear_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const c10:
 #endif
 
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// The small-batch product on AMX tiles (bfloat16, 1-16 activation rows): one tile multiply takes 16 rows x 32 of `in`
-// against 32 x 16 outputs, so a product of up to 16 rows costs what reading W does (the vector code above does ~4
-// rows' worth of arithmetic per W load, and past 4 rows it is slower than oneDNN's). W is laid out once, at load, as B operands
+// The small-batch product on AMX tiles (bfloat16, 1-80 activation rows): one tile multiply takes 16 rows x 32 of `in`
+// against 32 x 16 outputs, and up to five blocks of 16 rows share each tile of W, so a product of up to 80 rows reads W
+// once, and on 2 cores costs about what reading it does (the vector code above does ~4 rows' worth of arithmetic per
+// W load, and past 4 rows it is slower than oneDNN's). W is laid out once, at load, as B operands
 // (amx_weight_tiles): [out / 16 tiles][in / 32 steps][16 pairs of `in`][16 outputs][2], zero-padded, so that each
-// tile of 16 outputs is one contiguous stream and the threads share the tiles out evenly. Tiles: outputs 0-3 (four
-// tiles of outputs a pass over `in`), the activations 4, W 5.
-constexpr int64_t kTileOut = 16, kTileIn = 32, kTilesAPass = 4;
+// tile of 16 outputs is one contiguous stream and the threads share the tiles out evenly.
+constexpr int64_t kTileOut = 16, kTileIn = 32;
+constexpr int64_t kAmxMaxRows = 128;  // row blocks the kernel takes: any number, so this bounds only the copy of x
 constexpr int64_t kTileElems = 16 * 32;  // bfloat16s a tile
 // bytes of each tile's stream asked for ahead of the step being multiplied, into L2: one step of 32 columns (none,
 // two, four or eight steps measured alike or slower)
@@ -303,57 +304,78 @@ at::Tensor amx_weight_tiles(const at::Tensor& weight) {
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 namespace {
 
-// kTilesAPass output tiles (C tiles 0 .. count - 1) over every step of `in`: A from the padded rows, B from each
-// tile's stream.
-template <int Count>
-void tiles_amx(const uint16_t* a, int64_t a_stride, const uint16_t* w, int64_t steps, int64_t first, const char* last,
-               int64_t m, int64_t out, const c10::BFloat16* bias, c10::BFloat16* y) {
+// One block of 16 rows of x as a tile multiply's A operand: where its rows start and their stride, in bfloat16s.
+struct RowBlock {
+  const uint16_t* rows;
+  int64_t stride;
+};
+
+// Output tiles first .. first + Count - 1 against Blocks (1 or 2) row blocks, over every step of `in`. Tiles: the sums
+// 0-3 (C tile b * Count + t: row block b, output tile t), A 4 and 5 (one per row block), B 6 and 7 (alternating, so
+// that a tile's next load does not wait for the multiply that reads it). With two row blocks each loaded tile feeds
+// two multiplies (two output tiles at most); with one row block, up to four output tiles share its A.
+template <int Blocks, int Count>
+void tiles_amx(const RowBlock* block, const uint16_t* w, int64_t steps, int64_t first, bool ask_ahead,
+               const char* last, int64_t m, int64_t first_row, int64_t out, const c10::BFloat16* bias,
+               c10::BFloat16* y) {
+  static_assert(Blocks * Count <= 4, "four C tiles");
   alignas(64) float c[16][16];
-  const uint16_t* stream[kTilesAPass];
+  const uint16_t* stream[Count];
   for (int t = 0; t < Count; ++t) stream[t] = w + (first + t) * steps * kTileElems;
   _tile_zero(0);
-  if constexpr (Count > 1) _tile_zero(1);
-  if constexpr (Count > 2) _tile_zero(2);
-  if constexpr (Count > 3) _tile_zero(3);
+  if constexpr (Blocks * Count > 1) _tile_zero(1);
+  if constexpr (Blocks * Count > 2) _tile_zero(2);
+  if constexpr (Blocks * Count > 3) _tile_zero(3);
   for (int64_t k = 0; k < steps; ++k) {
-    for (int t = 0; t < Count; ++t) prefetch_tile(stream[t] + k * kTileElems, last);
-    _tile_loadd(4, a + k * kTileIn, a_stride * 2);
-    _tile_loadd(5, stream[0] + k * kTileElems, 64);
-    _tile_dpbf16ps(0, 4, 5);
+    if (ask_ahead)
+      for (int t = 0; t < Count; ++t) prefetch_tile(stream[t] + k * kTileElems, last);
+    _tile_loadd(4, block[0].rows + k * kTileIn, block[0].stride * 2);
+    if constexpr (Blocks == 2) _tile_loadd(5, block[1].rows + k * kTileIn, block[1].stride * 2);
+    _tile_loadd(6, stream[0] + k * kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (Blocks == 2 && Count == 1) _tile_dpbf16ps(1, 5, 6);
+    if constexpr (Blocks == 2 && Count == 2) _tile_dpbf16ps(2, 5, 6);
     if constexpr (Count > 1) {
-      _tile_loadd(5, stream[1] + k * kTileElems, 64);
-      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(7, stream[1] + k * kTileElems, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if constexpr (Blocks == 2) _tile_dpbf16ps(3, 5, 7);
     }
     if constexpr (Count > 2) {
-      _tile_loadd(5, stream[2] + k * kTileElems, 64);
-      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, stream[2] + k * kTileElems, 64);
+      _tile_dpbf16ps(2, 4, 6);
     }
     if constexpr (Count > 3) {
-      _tile_loadd(5, stream[3] + k * kTileElems, 64);
-      _tile_dpbf16ps(3, 4, 5);
+      _tile_loadd(7, stream[3] + k * kTileElems, 64);
+      _tile_dpbf16ps(3, 4, 7);
     }
   }
-  for (int t = 0; t < Count; ++t) {
-    switch (t) {
-      case 0: _tile_stored(0, c, 64); break;
-      case 1: _tile_stored(1, c, 64); break;
-      case 2: _tile_stored(2, c, 64); break;
-      default: _tile_stored(3, c, 64); break;
+  for (int b = 0; b < Blocks; ++b)
+    for (int t = 0; t < Count; ++t) {
+      switch (b * Count + t) {
+        case 0: _tile_stored(0, c, 64); break;
+        case 1: _tile_stored(1, c, 64); break;
+        case 2: _tile_stored(2, c, 64); break;
+        default: _tile_stored(3, c, 64); break;
+      }
+      const int64_t row = first_row + 16 * b;
+      for (int64_t i = 0; i < std::min<int64_t>(16, m - row); ++i)
+        store_tile_row(c[i], first + t, row + i, out, bias, y);
     }
-    for (int64_t r = 0; r < m; ++r) store_tile_row(c[r], first + t, r, out, bias, y);
-  }
 }
 
 }  // namespace
 #endif
 
-// y = x W^T (+ b) for up to 16 bfloat16 rows of x, W as amx_weight_tiles laid it out (`out` its rows).
+// y = x W^T (+ b) for 1 to kAmxMaxRows bfloat16 rows of x, W as amx_weight_tiles laid it out (`out` its rows).
+// Each thread takes its share of W's output tiles a pair at a time (four at a time for 16 rows or fewer) and runs every
+// pair of row blocks over them: the first pair reads the pair's tiles from memory, the others from L2 (two output
+// tiles over `in` = 1536 are 96 KB), so W comes from memory once whatever the row count.
 at::Tensor amx_small_batch_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out,
                                   const c10::optional<at::Tensor>& bias) {
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
   TORCH_CHECK(amx_permitted(), "amx_small_batch_linear: this process may not use AMX tiles");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 && x.size(0) <= 16,
-              "amx_small_batch_linear: x must be [1 <= m <= 16, in], bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 && x.size(0) <= kAmxMaxRows,
+              "amx_small_batch_linear: x must be [1 <= m <= ", kAmxMaxRows, ", in], bfloat16");
   TORCH_CHECK(tiles.dim() == 4 && tiles.scalar_type() == at::kBFloat16 && tiles.is_contiguous() &&
                   tiles.size(2) == 16 && tiles.size(3) == 32,
               "amx_small_batch_linear: tiles must be amx_weight_tiles' layout");
@@ -364,27 +386,49 @@ at::Tensor amx_small_batch_linear(const at::Tensor& x, const at::Tensor& tiles, 
               "amx_small_batch_linear: bias must be [out], bfloat16");
   const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
   const c10::BFloat16* bp = bc.defined() ? bc.data_ptr<c10::BFloat16>() : nullptr;
-  // the A operand: x's rows zero-padded to 16 rows and to whole steps of `in`
-  const int64_t a_stride = steps * kTileIn;
-  std::vector<uint16_t> padded(16 * a_stride, 0);
+  // the A operands: whole blocks of 16 rows read from x where `in` is whole steps; a last block of fewer rows (or, where
+  // `in` is not whole steps, every block) copied into zeroed rows of whole steps
   const at::Tensor xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
-  for (int64_t r = 0; r < m; ++r) std::copy(xp + r * in, xp + (r + 1) * in, padded.data() + r * a_stride);
-  const uint16_t* a = padded.data();
+  const int64_t a_stride = steps * kTileIn, blocks = (m + 15) / 16;
+  const int64_t direct = a_stride == in ? m / 16 : 0;  // the row blocks read from x as it is
+  std::vector<uint16_t> padded((blocks - direct) * 16 * a_stride, 0);
+  for (int64_t r = direct * 16; r < m; ++r)
+    std::copy(xp + r * in, xp + (r + 1) * in, padded.data() + (r - direct * 16) * a_stride);
+  std::vector<RowBlock> block(blocks + 1);
+  for (int64_t b = 0; b < blocks; ++b)
+    block[b] = b < direct ? RowBlock{xp + b * 16 * in, in} : RowBlock{padded.data() + (b - direct) * 16 * a_stride, a_stride};
   at::Tensor y = at::empty({m, out}, x.options());
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const uint16_t* w = reinterpret_cast<const uint16_t*>(tiles.data_ptr<c10::BFloat16>());
   at::parallel_for(0, tiles_out, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
     const char* last = reinterpret_cast<const char*>(w + end * steps * kTileElems);
-    int64_t tile = begin;
-    for (; tile + kTilesAPass <= end; tile += kTilesAPass)
-      tiles_amx<kTilesAPass>(a, a_stride, w, steps, tile, last, m, out, bp, yp);
-    switch (end - tile) {
-      case 3: tiles_amx<3>(a, a_stride, w, steps, tile, last, m, out, bp, yp); break;
-      case 2: tiles_amx<2>(a, a_stride, w, steps, tile, last, m, out, bp, yp); break;
-      case 1: tiles_amx<1>(a, a_stride, w, steps, tile, last, m, out, bp, yp); break;
-      default: break;
+    if (blocks == 1) {
+      int64_t tile = begin;
+      for (; tile + 4 <= end; tile += 4) tiles_amx<1, 4>(block.data(), w, steps, tile, true, last, m, 0, out, bp, yp);
+      switch (end - tile) {
+        case 3: tiles_amx<1, 3>(block.data(), w, steps, tile, true, last, m, 0, out, bp, yp); break;
+        case 2: tiles_amx<1, 2>(block.data(), w, steps, tile, true, last, m, 0, out, bp, yp); break;
+        case 1: tiles_amx<1, 1>(block.data(), w, steps, tile, true, last, m, 0, out, bp, yp); break;
+        default: break;
+      }
+      return;
+    }
+    for (int64_t tile = begin; tile < end; tile += 2) {
+      const bool pair = tile + 1 < end;
+      for (int64_t b = 0; b < blocks; b += 2) {
+        const RowBlock* rows = block.data() + b;
+        const bool ask_ahead = b == 0;  // later row blocks find the tiles in L2
+        if (b + 1 < blocks && pair)
+          tiles_amx<2, 2>(rows, w, steps, tile, ask_ahead, last, m, b * 16, out, bp, yp);
+        else if (b + 1 < blocks)
+          tiles_amx<2, 1>(rows, w, steps, tile, ask_ahead, last, m, b * 16, out, bp, yp);
+        else if (pair)
+          tiles_amx<1, 2>(rows, w, steps, tile, ask_ahead, last, m, b * 16, out, bp, yp);
+        else
+          tiles_amx<1, 1>(rows, w, steps, tile, ask_ahead, last, m, b * 16, out, bp, yp);
+      }
     }
   });
   return y;

@@ -53,12 +53,14 @@ def test_strided_activations_and_bad_shapes(native_target):
         kernel(torch.randn(2, 32).half(), weight.half())
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 40, 128])
 @pytest.mark.parametrize("out_features, in_features", [(64, 512), (67, 100), (5, 24), (1408, 576), (130, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_amx_small_batch_linear_matches_float64(native_target, rows, out_features, in_features, bias):
-    """Whole and partial tiles of 16 outputs, passes of four tiles and the tiles left over, `in` in whole and partial
-    steps of 32, 1-16 rows (the rest of the tile's 16 zero); builds without AMX code say so."""
+    """Whole and partial tiles of 16 outputs, passes of four tiles (one block of rows) or two (more) and the tiles left
+    over, `in` in whole steps of 32 (whole blocks of 16 rows read from x) and partial ones (every block copied and
+    padded), 1-128 rows: one block, a short one, pairs of blocks and a block left over, the last block short or whole;
+    builds without AMX code say so."""
     native = cpu_native.load(native_target)
     generator = torch.Generator().manual_seed(rows * out_features + in_features)
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
@@ -87,8 +89,8 @@ def test_amx_small_batch_linear_refuses_what_it_cannot_take(native_target):
         return
     weight = torch.randn(40, 48).bfloat16()
     tiles = native.amx_weight_tiles(weight)
-    with pytest.raises(RuntimeError, match="m <= 16"):
-        native.amx_small_batch_linear(torch.randn(17, 48).bfloat16(), tiles, 40)
+    with pytest.raises(RuntimeError, match="m <= 128"):
+        native.amx_small_batch_linear(torch.randn(129, 48).bfloat16(), tiles, 40)
     with pytest.raises(RuntimeError, match="another shape"):
         native.amx_small_batch_linear(torch.randn(2, 80).bfloat16(), tiles, 40)
     with pytest.raises(RuntimeError, match="another shape"):
@@ -122,7 +124,7 @@ def test_a_packed_weight_given_the_kernel_multiplies_small_batches_on_its_second
     assert kernel.max_rows == (AMX_SMALL_BATCH_MAX_ROWS if amx else SMALL_BATCH_MAX_ROWS[dtype])
     limit = kernel.max_rows
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-2}
-    for rows in (1, limit, limit + 1, 64):
+    for rows in (1, limit, limit + 1, limit + 64):
         x = torch.randn(rows, 48).to(dtype)
         torch.testing.assert_close(packed.matmul(x, None), F.linear(x, weight), **tolerance)
     assert calls == [1, limit]  # larger batches: oneDNN's packed product
