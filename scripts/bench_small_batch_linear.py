@@ -9,9 +9,9 @@ and the bench model's (8 layers of hidden 512, intermediate 1408, LM head 512 ->
 float32. One call multiplies every weight of the step once, in the model's order, so each weight comes from memory
 as it does in a served step (the demo model's are ~270 MB in bfloat16), not from a cache that one weight called
 again and again would sit in. The products alternate, --repeats rounds each; the table has the medians: oneDNN's
-packed product, the native vector product on the weight as it is (`small_batch_linear`), the AMX tile product on the
-weight laid out as tiles (`amx_small_batch_linear`, bfloat16 where the CPU has AMX), and which of them the engine
-runs at that row count (SMALL_BATCH_MAX_ROWS, AMX_SMALL_BATCH_MAX_ROWS).
+packed product, the native vector product on the weight as it is (`small_batch_linear`, up to 16 rows), the AMX tile
+product on the weight laid out as tiles (`amx_small_batch_linear`, bfloat16 where the CPU has AMX, up to 128 rows),
+and which of them the engine runs at that row count (SMALL_BATCH_MAX_ROWS, AMX_SMALL_BATCH_MAX_ROWS).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ MODELS = {  # name -> (layers, [(out, in) of a layer's products], LM head (out, 
     "demo model": (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)], (49152, 576)),
     "bench model": (8, [(1024, 512), (512, 512), (2816, 512), (512, 1408)], (32000, 512)),
 }
-ROWS = (1, 2, 4, 6, 8, 10, 16)
+ROWS = (1, 2, 4, 6, 8, 10, 16, 32, 48, 64, 96, 128)
+VECTOR_MAX_ROWS = 16  # past it the vector product is arithmetic-bound (and far slower than oneDNN's): not timed
 
 
 def step_weights(model: str, dtype: torch.dtype, generator: torch.Generator) -> list[torch.Tensor]:
@@ -62,8 +63,9 @@ def time_model(model: str, dtype: torch.dtype, generator: torch.Generator, repea
         products = {
             "oneDNN": lambda xs=inputs: [onednn_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed,
                                                                                                   strict=True)],
-            "vector": lambda xs=inputs: [native.small_batch_linear(xs[w.shape[1]], w, None) for w in weights],
         }
+        if count <= VECTOR_MAX_ROWS:
+            products["vector"] = lambda xs=inputs: [native.small_batch_linear(xs[w.shape[1]], w, None) for w in weights]
         if amx and count <= AMX_SMALL_BATCH_MAX_ROWS:
             products["AMX"] = lambda xs=inputs: [native.amx_small_batch_linear(xs[w.shape[1]], t, w.shape[0], None)
                                                  for w, t in zip(weights, tiles, strict=True)]
@@ -78,9 +80,9 @@ def time_model(model: str, dtype: torch.dtype, generator: torch.Generator, repea
             used = "oneDNN"
         else:
             used = "AMX" if engine_kernel.max_rows == AMX_SMALL_BATCH_MAX_ROWS and amx else "vector"
-        amx_cell = f"{ms['AMX']:.2f}" if "AMX" in ms else "-"
+        vector_cell, amx_cell = (f"{ms[name]:.2f}" if name in ms else "-" for name in ("vector", "AMX"))
         rows.append(f"| {str(dtype).removeprefix('torch.')} | {model} | {count} | {ms['oneDNN']:.2f} | "
-                    f"{ms['vector']:.2f} | {amx_cell} | {ms[used] / ms['oneDNN']:.2f} | {used} |")
+                    f"{vector_cell} | {amx_cell} | {ms[used] / ms['oneDNN']:.2f} | {used} |")
         print(rows[-1], flush=True)
     return rows
 
@@ -110,7 +112,7 @@ def main(argv=None) -> None:
         "python -m scripts.bench_small_batch_linear --write-doc",
     )
     if args.write_doc:
-        rewrite_block(BEGIN, END, body, "Linears at batch 1-16: the native products on a second copy of the weight")
+        rewrite_block(BEGIN, END, body, "Linears at batch 1-128: the native products on a second copy of the weight")
 
 
 if __name__ == "__main__":

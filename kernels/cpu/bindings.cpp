@@ -72,7 +72,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_weight_tiles", &shardserve::amx_weight_tiles, kNoGil,
         "A bfloat16 W [out, in] laid out as amx_small_batch_linear's tiles (kernels/linear.py)");
   m.def("amx_small_batch_linear", &shardserve::amx_small_batch_linear, kNoGil,
-        "x W^T (+ b) for up to 128 bfloat16 rows of x on AMX tiles (W read from memory once), W as amx_weight_tiles laid it out",
+        "x W^T (+ b) for up to 128 bfloat16 rows of x on AMX tiles (W read from memory once), W as "
+        "amx_weight_tiles laid it out",
         py::arg("x"), py::arg("tiles"), py::arg("out"), py::arg("bias") = py::none());
   m.def("packed_linear_split_rows", &shardserve::packed_linear_split_rows, kNoGil,
         "oneDNN's product on a packed weight, x's rows cut into one part per thread, each on its thread alone "

@@ -2,7 +2,7 @@
 // ([out, in], row-major, float32 or bfloat16). At batch 1-8 a decode step's matrix products are
 // matrix-vector products bound by how fast W streams from memory; oneDNN's packed product and torch's
 // F.linear read it at about half of what two cores can stream (docs/BENCHMARKS.md, "On the AVX2 EPYC" and
-// "Linears at batch 1-16: the native products on a second copy of the weight"). Here each thread streams its own rows of W, four
+// "Linears at batch 1-128: the native products on a second copy of the weight"). Here each thread streams its own rows of W, four
 // at a time, asking for the rows ahead, and multiplies them with every activation row while they are in L1,
 // accumulating in float32 (one vector accumulator per output, its lanes summed at the end: a summation order of its
 // own, as oneDNN's is).
