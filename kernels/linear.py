@@ -8,8 +8,8 @@ summation order), as the native kernels' do in both dtypes. At batch 1-16 a prod
 few rows: oneDNN's reads it at about half the rate two cores stream memory, the native kernels
 (kernels/cpu/linear.cpp) near the full rate: the vector product on the weight as it is, 1.5x faster at batch 1 on
 the AVX2 EPYC (float32; docs/BENCHMARKS.md, "On the AVX2 EPYC"), and on CPUs with AMX the tile product on the
-weight laid out as tiles, which reads it once for up to 128 rows: 0.64-0.75x oneDNN's time at 1-64 rows, 0.79-0.90x
-at 80-128 (bfloat16; "Linears at batch 1-128: the native products on a second copy of the weight"). Each needs the weight in its own layout, so a layer holds two copies
+weight laid out as tiles, which reads it once at any row count: 0.66-0.84x oneDNN's time at 1-64 rows, 0.91-0.94x
+at 80-96 (bfloat16, up to 96 rows; "Linears at batch 1-128: the native products on a second copy of the weight"). Each needs the weight in its own layout, so a layer holds two copies
 where memory allows (the model runner decides); the LM head always holds its dense weight (a tied embedding shares
 it). A packed product of more than 256 rows runs on a row-count bucket, zero-padded (`padded_rows`), so that oneDNN
 builds a primitive per bucket and not per step size. Where oneDNN's own split of a bucket's product over the
@@ -37,10 +37,10 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # native products on a second copy of the weight")
 SMALL_BATCH_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
 # Rows up to which bfloat16 products run on AMX tiles where the CPU has them: the tile product reads the weight from
-# memory once at any row count, and on the Intel Xeon with AMX a whole decode step's products took 0.64-0.75x oneDNN's
-# time at 1-64 rows and 0.79-0.90x at 80-128 (docs/BENCHMARKS.md, "Linears at batch 1-128 ..."); decode batches of up
-# to 128 sequences, and prefills of short prompts, run on it
-AMX_SMALL_BATCH_MAX_ROWS = 128
+# memory once at any row count, but its tile multiplies add up past ~64 rows: on the Intel Xeon with AMX a whole decode
+# step's products took 0.66-0.84x oneDNN's time at 1-64 rows, 0.91-0.94x at 80-96 and 1.04-1.06x at 128 (docs/BENCHMARKS.md,
+# "Linears at batch 1-128 ..."); decode batches of up to 96 sequences, and prefills of short prompts, run on it
+AMX_SMALL_BATCH_MAX_ROWS = 96
 
 
 @dataclass(frozen=True)

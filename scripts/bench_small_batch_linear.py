@@ -10,8 +10,8 @@ float32. One call multiplies every weight of the step once, in the model's order
 as it does in a served step (the demo model's are ~270 MB in bfloat16), not from a cache that one weight called
 again and again would sit in. The products alternate, --repeats rounds each; the table has the medians: oneDNN's
 packed product, the native vector product on the weight as it is (`small_batch_linear`, up to 16 rows), the AMX tile
-product on the weight laid out as tiles (`amx_small_batch_linear`, bfloat16 where the CPU has AMX, up to 128 rows),
-and which of them the engine runs at that row count (SMALL_BATCH_MAX_ROWS, AMX_SMALL_BATCH_MAX_ROWS).
+product on the weight laid out as tiles (`amx_small_batch_linear`, bfloat16 where the CPU has AMX, every row count
+here), and which of them the engine runs at that row count (SMALL_BATCH_MAX_ROWS, AMX_SMALL_BATCH_MAX_ROWS).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ MODELS = {  # name -> (layers, [(out, in) of a layer's products], LM head (out, 
     "demo model": (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)], (49152, 576)),
     "bench model": (8, [(1024, 512), (512, 512), (2816, 512), (512, 1408)], (32000, 512)),
 }
-ROWS = (1, 2, 4, 6, 8, 10, 16, 32, 48, 64, 96, 128)
+ROWS = (1, 2, 4, 6, 8, 10, 16, 32, 48, 64, 80, 96, 128)
 VECTOR_MAX_ROWS = 16  # past it the vector product is arithmetic-bound (and far slower than oneDNN's): not timed
 
 
@@ -66,7 +66,7 @@ def time_model(model: str, dtype: torch.dtype, generator: torch.Generator, repea
         }
         if count <= VECTOR_MAX_ROWS:
             products["vector"] = lambda xs=inputs: [native.small_batch_linear(xs[w.shape[1]], w, None) for w in weights]
-        if amx and count <= AMX_SMALL_BATCH_MAX_ROWS:
+        if amx:
             products["AMX"] = lambda xs=inputs: [native.amx_small_batch_linear(xs[w.shape[1]], t, w.shape[0], None)
                                                  for w, t in zip(weights, tiles, strict=True)]
         for product in products.values():  # warm-up (oneDNN's primitive for this row count)

@@ -4,7 +4,7 @@ timing is asserted)."""
 import torch
 
 from kernels import cpu_native
-from kernels.linear import AMX_SMALL_BATCH_MAX_ROWS, small_batch_kernels
+from kernels.linear import small_batch_kernels
 from scripts.bench_small_batch_linear import ROWS, VECTOR_MAX_ROWS, main
 
 
@@ -28,6 +28,6 @@ def test_every_row_count_is_timed_and_the_engines_choice_named(capsys):
         assert model == "bench model" and float(onednn_ms) > 0 and float(ratio) > 0
         assert (vector_ms != "-") == (int(count) <= VECTOR_MAX_ROWS)
         amx = dtype == "bfloat16" and native.amx_linear_available()
-        assert (amx_ms != "-") == (amx and int(count) <= AMX_SMALL_BATCH_MAX_ROWS)
+        assert (amx_ms != "-") == amx
         kernel = kernels[getattr(torch, dtype)]
         assert used == ("oneDNN" if int(count) > kernel.max_rows else "AMX" if amx else "vector")
