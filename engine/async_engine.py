@@ -310,7 +310,8 @@ class AsyncLLMEngine:
             raise RuntimeError("only an engine that a failure ended restarts")
         gc.collect()  # the dead engine's runner (weights, KV cache) went with its shutdown: its memory goes first
         if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()  # and on a GPU back to the device, where the new KV cache is sized from what is free
+            # and on a GPU back to the device, where the new KV cache is sized from what is free
+            torch.cuda.empty_cache()
         engine_loop = _EngineLoop(self._config, self._on_dead, self._delivery_interval_s)
         with self._slot.lock:
             shut_down = self._slot.shut_down

@@ -2,8 +2,8 @@
 // ([out, in], row-major, float32 or bfloat16). At batch 1-8 a decode step's matrix products are
 // matrix-vector products bound by how fast W streams from memory; oneDNN's packed product and torch's
 // F.linear read it at about half of what two cores can stream (docs/BENCHMARKS.md, "On the AVX2 EPYC" and
-// "Linears at batch 1-128: the native products on a second copy of the weight"). Here each thread streams its own rows of W, four
-// at a time, asking for the rows ahead, and multiplies them with every activation row while they are in L1,
+// "Linears at batch 1-128: the native products on a second copy of the weight"). Here each thread streams its own rows
+// of W, four at a time, asking for the rows ahead, and multiplies them with every activation row while they are in L1,
 // accumulating in float32 (one vector accumulator per output, its lanes summed at the end: a summation order of its
 // own, as oneDNN's is).
 
@@ -207,12 +207,13 @@ void linear_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const c10:
 #endif
 
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// The small-batch product on AMX tiles (bfloat16, 1-80 activation rows): one tile multiply takes 16 rows x 32 of `in`
-// against 32 x 16 outputs, and up to five blocks of 16 rows share each tile of W, so a product of up to 80 rows reads W
-// once, and on 2 cores costs about what reading it does (the vector code above does ~4 rows' worth of arithmetic per
-// W load, and past 4 rows it is slower than oneDNN's). W is laid out once, at load, as B operands
-// (amx_weight_tiles): [out / 16 tiles][in / 32 steps][16 pairs of `in`][16 outputs][2], zero-padded, so that each
-// tile of 16 outputs is one contiguous stream and the threads share the tiles out evenly.
+// The small-batch product on AMX tiles (bfloat16, 1-128 activation rows): one tile multiply takes 16 rows x 32 of `in`
+// against 32 x 16 outputs, and every block of 16 rows multiplies a tile of W while it is in L2, so W comes from memory
+// once at any row count; up to ~64 rows that read is what the product costs, past it the tile multiplies add up (the
+// vector code above does ~4 rows' worth of arithmetic per W load, and past 4 rows it is slower than oneDNN's). W is
+// laid out once, at load, as B operands (amx_weight_tiles): [out / 16 tiles][in / 32 steps][16 pairs of `in`][16
+// outputs][2], zero-padded, so that each tile of 16 outputs is one contiguous stream and the threads share the tiles
+// out evenly.
 constexpr int64_t kTileOut = 16, kTileIn = 32;
 constexpr int64_t kAmxMaxRows = 128;  // row blocks the kernel takes: any number, so this bounds only the copy of x
 constexpr int64_t kTileElems = 16 * 32;  // bfloat16s a tile
@@ -386,8 +387,8 @@ at::Tensor amx_small_batch_linear(const at::Tensor& x, const at::Tensor& tiles, 
               "amx_small_batch_linear: bias must be [out], bfloat16");
   const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
   const c10::BFloat16* bp = bc.defined() ? bc.data_ptr<c10::BFloat16>() : nullptr;
-  // the A operands: whole blocks of 16 rows read from x where `in` is whole steps; a last block of fewer rows (or, where
-  // `in` is not whole steps, every block) copied into zeroed rows of whole steps
+  // the A operands: whole blocks of 16 rows read from x where `in` is whole steps; a last block of fewer rows (or,
+  // where `in` is not whole steps, every block) copied into zeroed rows of whole steps
   const at::Tensor xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   const int64_t a_stride = steps * kTileIn, blocks = (m + 15) / 16;
@@ -395,9 +396,10 @@ at::Tensor amx_small_batch_linear(const at::Tensor& x, const at::Tensor& tiles, 
   std::vector<uint16_t> padded((blocks - direct) * 16 * a_stride, 0);
   for (int64_t r = direct * 16; r < m; ++r)
     std::copy(xp + r * in, xp + (r + 1) * in, padded.data() + (r - direct * 16) * a_stride);
-  std::vector<RowBlock> block(blocks + 1);
+  std::vector<RowBlock> block(blocks);
   for (int64_t b = 0; b < blocks; ++b)
-    block[b] = b < direct ? RowBlock{xp + b * 16 * in, in} : RowBlock{padded.data() + (b - direct) * 16 * a_stride, a_stride};
+    block[b] = b < direct ? RowBlock{xp + b * 16 * in, in}
+                          : RowBlock{padded.data() + (b - direct) * 16 * a_stride, a_stride};
   at::Tensor y = at::empty({m, out}, x.options());
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const uint16_t* w = reinterpret_cast<const uint16_t*>(tiles.data_ptr<c10::BFloat16>());
