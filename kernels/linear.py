@@ -4,18 +4,18 @@ for a few rows of activations the native small-batch product on the weight as it
 Unpacked, each F.linear call on CPU reorders the weight into oneDNN's blocked layout before it multiplies; packed
 once at load, a bench-model decode step's matrix products run 1.3-1.7x faster at batch 1-50 (docs/BENCHMARKS.md,
 "Kernels"). Its bfloat16 results are bit-identical to F.linear's; float32's differ in the last bits (another
-summation order), as the native kernels' do in both dtypes. At batch 1-16 a product reads the whole weight for a
-few rows: oneDNN's reads it at about half the rate two cores stream memory, the native kernels
+summation order), as the native kernels' do in both dtypes. At a decode step's few rows a product reads the whole
+weight: oneDNN's reads it at about half the rate two cores stream memory, the native kernels
 (kernels/cpu/linear.cpp) near the full rate: the vector product on the weight as it is, 1.5x faster at batch 1 on
 the AVX2 EPYC (float32; docs/BENCHMARKS.md, "On the AVX2 EPYC"), and on CPUs with AMX the tile product on the
 weight laid out as tiles, which reads it once at any row count: 0.66-0.84x oneDNN's time at 1-64 rows, 0.91-0.94x
-at 80-96 (bfloat16, up to 96 rows; "Linears at batch 1-128: the native products on a second copy of the weight"). Each needs the weight in its own layout, so a layer holds two copies
-where memory allows (the model runner decides); the LM head always holds its dense weight (a tied embedding shares
-it). A packed product of more than 256 rows runs on a row-count bucket, zero-padded (`padded_rows`), so that oneDNN
-builds a primitive per bucket and not per step size. Where oneDNN's own split of a bucket's product over the
-threads leaves one of them idle, the product runs on the rows cut into one part per thread instead
-(`SplitRowsChoice`). The kernel backend chooses the packer (kernels/backend.py); the parallel layers only hold what
-it returns.
+at 80-96 (bfloat16, up to 96 rows; "Linears at batch 1-128: the native products on a second copy of the
+weight"). Each needs the weight in its own layout, so a layer holds two copies where memory allows (the model
+runner decides); the LM head always holds its dense weight (a tied embedding shares it). A packed product of more
+than 256 rows runs on a row-count bucket, zero-padded (`padded_rows`), so that oneDNN builds a primitive per bucket
+and not per step size. Where oneDNN's own split of a bucket's product over the threads leaves one of them idle, the
+product runs on the rows cut into one part per thread instead (`SplitRowsChoice`). The kernel backend chooses the
+packer (kernels/backend.py); the parallel layers only hold what it returns.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # native products on a second copy of the weight")
 SMALL_BATCH_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
 # Rows up to which bfloat16 products run on AMX tiles where the CPU has them: the tile product reads the weight from
-# memory once at any row count, but its tile multiplies add up past ~64 rows: on the Intel Xeon with AMX a whole decode
-# step's products took 0.66-0.84x oneDNN's time at 1-64 rows, 0.91-0.94x at 80-96 and 1.04-1.06x at 128 (docs/BENCHMARKS.md,
-# "Linears at batch 1-128 ..."); decode batches of up to 96 sequences, and prefills of short prompts, run on it
+# memory once at any row count, but its tile multiplies add up past ~64 rows: on the Intel Xeon with AMX a whole
+# decode step's products took 0.66-0.84x oneDNN's time at 1-64 rows, 0.91-0.94x at 80-96 and 1.04-1.06x at 128
+# (docs/BENCHMARKS.md, "Linears at batch 1-128 ..."); decode batches of up to 96 sequences, and prefills of short
+# prompts, run on it
 AMX_SMALL_BATCH_MAX_ROWS = 96
 
 
@@ -200,9 +201,9 @@ def onednn_packer(small_batch: dict[torch.dtype, SmallBatchKernel] | None = None
                   split_rows: Callable | None = None) -> Callable[..., PackedLinearWeight | None]:
     """The native CPU backend's packer; `small_batch`: the native small-batch products by weight dtype, for the
     weights the caller lets them keep a second copy of (`keep_dense`), or whose dense weight stays anyway
-    (`weight_stays`: the LM head, which a tied embedding shares) where the kernel reads that weight itself; `split_rows`: the native product with the rows
-    cut over the threads, for the bfloat16 buckets where it is faster (SplitRowsChoice, one per packer: its choices
-    hold for the shapes it packs)."""
+    (`weight_stays`: the LM head, which a tied embedding shares) where the kernel reads that weight itself;
+    `split_rows`: the native product with the rows cut over the threads, for the bfloat16 buckets where it is faster
+    (SplitRowsChoice, one per packer: its choices hold for the shapes it packs)."""
     choice = SplitRowsChoice(split_rows) if split_rows is not None else None
     kernels = small_batch or {}
 

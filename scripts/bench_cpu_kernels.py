@@ -117,7 +117,7 @@ def cases(generator: torch.Generator, dtype: torch.dtype):
     shapes = [(1024, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * 8
     weights = [torch.randn(s, generator=generator).to(dtype) * 0.02 for s in [*shapes, (32000, HIDDEN)]]
     # as the engine packs them: where memory allows, every layer keeps the second copy its small-batch kernel reads
-    # (bfloat16 on AMX: tiles, up to 16 rows; else the weight as it is, up to 4 bfloat16 or 8 float32 rows; the LM head
+    # (bfloat16 on AMX: tiles, up to 96 rows; else the weight as it is, up to 4 bfloat16 or 8 float32 rows; the LM head
     # its dense weight; kernels/linear.py)
     packed = [native.pack_linear_weight(w, keep_dense=True) for w in weights]
     for tokens in (1, 4, 10, 50):

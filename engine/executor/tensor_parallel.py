@@ -115,8 +115,7 @@ class TensorParallelExecutor:
         """Raise EngineDeadError if a worker has died or left its loop (between steps; does not block)."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        ended, _ = ray.wait(self._ranks.loops, num_returns=1, timeout=0)
-        if ended:
+        if self.lost_rank() is not None:
             failure = self._worker_failure()
             self._fail(f"tensor-parallel worker lost: {_describe(failure or 'a worker left its loop')}")
             raise EngineDeadError(self._dead)

@@ -41,7 +41,8 @@ constexpr int64_t kRowsPerBlock = 4;
 // read once a step, from memory, and the hardware prefetcher alone left the product at ~10 GB/s. The demo model's 121
 // products of a decode step at batch 1, bfloat16, from memory, on the Intel Xeon with AMX: 25.2 ms without, 16.4 with
 // (oneDNN's packed products: 22.1); 16 rows ahead no better, PREFETCHNTA slower (docs/BENCHMARKS.md, "Linears at
-// batch 1-16: the native products on a second copy of the weight"). A prefetch past the weight's end is dropped (it never faults).
+// batch 1-128: the native products on a second copy of the weight"). A prefetch past the weight's end is dropped (it
+// never faults).
 constexpr int64_t kPrefetchRows = 8;
 
 // The cache line at byte `offset` of each of the kRowsPerBlock rows (of `row_bytes` each) from `ahead` on, into L2.
@@ -231,7 +232,8 @@ inline void store_tile_row(const float* sums, int64_t tile, int64_t r, int64_t o
                            c10::BFloat16* y) {
   const int64_t col = tile * kTileOut;
   const int64_t live = std::min<int64_t>(kTileOut, out - col);
-  for (int64_t n = 0; n < live; ++n) store(bias != nullptr ? sums[n] + load(bias[col + n]) : sums[n], y + r * out + col + n);
+  for (int64_t n = 0; n < live; ++n)
+    store(bias != nullptr ? sums[n] + load(bias[col + n]) : sums[n], y + r * out + col + n);
 }
 #endif
 
