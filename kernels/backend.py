@@ -87,6 +87,46 @@ NATIVE_DTYPES = (
     torch.bfloat16,
 )  # what the native CPU kernels take; others go to the references
 
+# The native attention kernels walk a sequence's cache 16 tokens at a time (CPU_KERNEL_BLOCK). A block of 32-256
+# tokens is 2-16 such runs, one after the other in the cache: `as_kernel_blocks` hands the kernels the cache as
+# blocks of 16 and each table as those runs' numbers, so every block size the engine allows that is a multiple of
+# 16 takes the native kernels. Bigger blocks are read faster: a decode step's K/V from memory, blocks scattered
+# over the cache, 5.6 ms a layer in blocks of 16 against 3.9 in blocks of 64 and 3.7 in blocks of 128
+# (docs/BENCHMARKS.md, "KV-cache blocks of 128 tokens on CPU").
+CPU_KERNEL_BLOCK = 16
+
+
+class KernelBlockTables:
+    """Tables of 16-token blocks for a step's tables of bigger blocks, made once per table: every layer of a step
+    passes the same table tensor, so the last one made is kept, with the table's version (a table written in place
+    is made again). Another thread's step only makes its own again."""
+
+    def __init__(self):
+        self.last: tuple[torch.Tensor, int, int, torch.Tensor] | None = None
+
+    def __call__(self, block_tables: torch.Tensor, runs: int) -> torch.Tensor:
+        last = self.last
+        if last is not None and last[0] is block_tables and last[1] == block_tables._version and last[2] == runs:
+            return last[3]
+        offsets = torch.arange(runs, dtype=torch.int32)
+        made = (block_tables.to(torch.int32)[:, :, None] * runs + offsets).reshape(block_tables.shape[0], -1)
+        self.last = (block_tables, block_tables._version, runs, made)
+        return made
+
+
+def as_kernel_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     tables: KernelBlockTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache [2, kv_heads, blocks, block_size, head_dim] and tables in blocks of CPU_KERNEL_BLOCK tokens, where
+    block_size is a bigger multiple of it and the cache is contiguous (as the engine allocates it); else as they
+    are."""
+    block_size = kv_cache.shape[3]
+    if block_size <= CPU_KERNEL_BLOCK or block_size % CPU_KERNEL_BLOCK or not kv_cache.is_contiguous():
+        return kv_cache, block_tables
+    runs = block_size // CPU_KERNEL_BLOCK
+    two, kv_heads, blocks, _, head_dim = kv_cache.shape
+    return (kv_cache.view(two, kv_heads, blocks * runs, CPU_KERNEL_BLOCK, head_dim),
+            tables(block_tables, runs))
+
 
 @functools.cache
 def _native_cpu_backend(target: str, reference_bf16_prefill: bool) -> KernelBackend | None:
@@ -98,18 +138,23 @@ def _native_cpu_backend(target: str, reference_bf16_prefill: bool) -> KernelBack
     if native is None:
         return None
 
+    decode_tables, prefill_tables = KernelBlockTables(), KernelBlockTables()
+
     def paged_decode_attention(query, kv_cache, block_tables, context_lens, scale):
         if (
             query.dtype in NATIVE_DTYPES
             and block_tables.dtype == torch.int32
             and context_lens.dtype == torch.int32
         ):
+            kv_cache, block_tables = as_kernel_blocks(kv_cache, block_tables, decode_tables)
             return native.paged_decode_attention(query, kv_cache, block_tables, context_lens, float(scale))
         return paged_decode_attention_torch(query, kv_cache, block_tables, context_lens, scale)
 
     def paged_prefill_attention(
         query, kv_cache, block_tables, query_start_loc, context_lens, scale, *, max_query_len=None
     ):
+        if block_tables.dtype == torch.int32:
+            kv_cache, block_tables = as_kernel_blocks(kv_cache, block_tables, prefill_tables)
         if not (
             query.dtype in NATIVE_DTYPES
             and native.prefill_supported(query.shape[-1], kv_cache.shape[3])

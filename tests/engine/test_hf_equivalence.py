@@ -133,6 +133,20 @@ def test_chunked_prefill_shares_steps_with_decodes(tiny_llama_dir, hf_greedy, pr
     assert llm.engine.num_mixed_steps > 0, "no step mixed a prefill chunk with decodes"
 
 
+def test_blocks_of_64_tokens_with_chunks_and_prefix_hits_equal_transformers(tiny_llama_dir, hf_greedy, prompts16):
+    """KV blocks of 64 tokens (vLLM's CPU default is 128): the native kernels read them as runs of 16-token
+    blocks (kernels/backend.py as_kernel_blocks), through chunked prefill beside decodes and then prefix-cache hits
+    of whole blocks."""
+    expected = hf_greedy(tiny_llama_dir, prompts16, MAX_NEW, ignore_eos=True)
+    llm, got = run_llm(tiny_llama_dir, prompts16, block_size=64, max_num_batched_tokens=48)
+    assert llm.engine.executor.runner.backend is engine_cpu_backend(cpu_native.isa())
+    assert got == expected
+    assert llm.engine.num_mixed_steps > 0
+    again = llm.generate(prompts16, greedy())
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert max(o.num_cached_tokens for o in again) >= 256  # the 257- and 300-token prompts' first 4 blocks
+
+
 def test_preemption_under_a_small_kv_pool_keeps_outputs_and_frees_every_block(tiny_llama_dir, hf_greedy):
     prompts = random_prompts([30, 45, 20, 60, 33, 50], seed=5)
     expected = hf_greedy(tiny_llama_dir, prompts, 24, ignore_eos=True)
