@@ -59,7 +59,9 @@ class ServeArgs(BaseModel):
         "steps keep first tokens and streams moving; 8192 on GPU)"), default=None)
     max_model_len: int | None = engine_field("max_model_len", (
         "context length, prompt plus completion tokens (default: the model's max_position_embeddings)"))
-    block_size: int = engine_field("block_size", "tokens per KV-cache block (a power of two, at most 256)")
+    block_size: int = engine_field("block_size", (
+        "tokens per KV-cache block (a power of two, at most 256); on CPU the native attention kernels take 16 and "
+        "its multiples (vLLM's CPU default is 128: as fast here, with coarser prefix-cache hits)"))
     num_kv_blocks: int | None = engine_field("num_kv_blocks", (
         "KV-cache blocks per rank, instead of sizing the cache from memory (default: from --kv-cache-memory-gb, "
         "else --gpu-memory-utilization on GPU, else 2 GiB on CPU)"))
