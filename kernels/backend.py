@@ -90,9 +90,8 @@ NATIVE_DTYPES = (
 # The native attention kernels walk a sequence's cache 16 tokens at a time (CPU_KERNEL_BLOCK). A block of 32-256
 # tokens is 2-16 such runs, one after the other in the cache: `as_kernel_blocks` hands the kernels the cache as
 # blocks of 16 and each table as those runs' numbers, so every block size the engine allows that is a multiple of
-# 16 takes the native kernels. Bigger blocks are read faster: a decode step's K/V from memory, blocks scattered
-# over the cache, 5.6 ms a layer in blocks of 16 against 3.9 in blocks of 64 and 3.7 in blocks of 128
-# (docs/BENCHMARKS.md, "KV-cache blocks of 128 tokens on CPU").
+# 16 takes the native kernels (vLLM's CPU default is 128; before, such sizes sent prefill to torch's reference: 0.88x
+# the throughput in process at concurrency 50, docs/BENCHMARKS.md "KV-cache blocks of 128 tokens on CPU").
 CPU_KERNEL_BLOCK = 16
 
 
