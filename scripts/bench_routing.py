@@ -29,7 +29,6 @@ import asyncio
 import datetime
 import logging
 import platform
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,16 +36,11 @@ from contextlib import contextmanager
 from bench.report import RunSummary
 from bench.run import BenchArgs, run_bench
 from scripts.doc_blocks import rewrite_block
+from scripts.ports import free_port
 
 BEGIN, END = "<!-- routing-bench:begin -->", "<!-- routing-bench:end -->"
 PREFIX_TOKENS, NUM_PREFIXES, OWN_TOKENS, OUTPUT_TOKENS = 1024, 16, 64, 64
 BLOCK_SIZE = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

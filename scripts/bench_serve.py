@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from bench.report import append_csv, format_ratios, format_table, plot, read_csv
 from bench.run import BenchArgs, run_bench
 from kernels.backend import cpu_supports_bf16
 from scripts.doc_blocks import cpu_description
+from scripts.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DOC_BEGIN = "<!-- serving-bench:begin (written by scripts/bench_serve.py) -->"
@@ -67,12 +67,6 @@ def vllm_cpu_env(python: str, ld_preload: str | None = None) -> dict[str, str]:
 
 class ServerStartError(RuntimeError):
     """`shardserve serve` exited or never answered /health."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _group_alive(pgid: int) -> bool:

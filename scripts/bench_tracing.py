@@ -18,7 +18,6 @@ import asyncio
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
+
+from scripts.ports import free_port
 
 MODEL_NAME = "bench"
 
@@ -92,12 +93,6 @@ class OTLPReceiver(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}/v1/traces"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args: argparse.Namespace, port: int, otlp_endpoint: str | None) -> subprocess.Popen:

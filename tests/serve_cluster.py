@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,25 +11,7 @@ from dataclasses import dataclass
 from app.config import ServeArgs
 from app.control_plane import apply_control_plane
 from app.proxy_errors import use_openai_errors_in_serve_proxy
-
-# Ports the tests' servers take: below Linux's ephemeral range (32768-60999, where connect() and bind(port 0)
-# pick theirs) and above Ray's worker ports (10002-19999). A port the system picked with bind(port 0) was taken
-# once by another process's connection in the seconds before the server bound it (make test, 2026-12-03).
-_TEST_PORTS = range(20000, 32000)
-_RANDOM = random.SystemRandom()  # each pytest-xdist process draws its own
-
-
-def free_port() -> int:
-    """A 127.0.0.1 port free now, outside the ranges the system and Ray hand out on their own."""
-    for _ in range(200):
-        port = _RANDOM.choice(_TEST_PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {_TEST_PORTS.start}-{_TEST_PORTS.stop - 1} after 200 draws")
+from scripts.ports import free_port  # noqa: F401 — the tests import it from here
 
 
 @dataclass

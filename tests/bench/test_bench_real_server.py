@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import os
+import socket
 import sys
 
 import matplotlib.image
@@ -13,6 +14,7 @@ import pytest
 
 from bench.run import BenchArgs, run_bench
 from scripts.bench_serve import ServerProcess
+from scripts.ports import SERVER_PORTS, free_port
 
 PROMPT_TOKENS = 48
 OUTPUT_TOKENS = 12
@@ -143,3 +145,13 @@ def test_a_server_is_started_once_and_stopped_with_everything_it_started(tmp_pat
     server.stop()  # idempotent
     with pytest.raises(ProcessLookupError):
         os.killpg(server.process.pid, 0)  # SIGTERM was ignored: the group was killed
+
+
+def test_servers_take_ports_outside_the_ranges_the_system_and_ray_hand_out():
+    """A port from bind(port 0) is one the system hands out again: a Serve replica once found its direct-ingress
+    port taken in the seconds before it bound it. ServerProcess draws below Linux's ephemeral range (32768-60999)
+    and above Ray's worker ports (10002-19999), a port free when drawn."""
+    ports = {ServerProcess("unused").port for _ in range(20)}
+    assert all(p in SERVER_PORTS for p in ports) and len(ports) > 1
+    with socket.socket() as sock:  # free when drawn: it can be bound
+        sock.bind(("127.0.0.1", free_port()))
